@@ -1,0 +1,94 @@
+"""The attention seam: per-step metadata and the backend interface.
+
+The runner builds one `ForwardMetadata` per forward step from the scheduler's batch and hands it,
+unchanged, to every layer's attention call. A backend (`TorchBackend` in
+`engine/torch_backend.py`, runs anywhere; `TritonBackend` in `engine/triton_backend.py`, GPU)
+writes the step's new K/V into the pool and computes attention under the stream rule:
+
+    query t (stream q_sid[t]) may attend key k  iff  causal(t, k) and
+        (sid_k == -1 or sid_k == q_sid[t])
+
+Keys come from two places (the "stages" of the extend kernel):
+  stage 1: request b's cached row  req_to_token[req_indices[b], kv_start[b] : prefix_lens[b]],
+           whose stream ids are pool.slot_sid[slot]; every cached key is causally earlier;
+  stage 2: the step's own new tokens of request b (rows qo_indptr[b] : qo_indptr[b+1] of k/v),
+           whose stream ids are q_sid; new token j is causally before new token i iff j <= i.
+
+Kinds of step:
+  "extend": any number of new tokens per request (document prefill, question prefill, and every
+            `parallel` decode step, which is P new tokens per request); both stages.
+  "decode": exactly one new token per request, no stream rule (stock / cascade decode). The new
+            token's slot is already in its row at position prefix_lens[b], so a decode kernel may
+            read the row [kv_start, prefix_lens + 1) after the K/V write.
+  A `cascade` decode step also carries `CascadeMetadata`: the document part of attention is
+  computed once per group of requests sharing a document, the per-request part over
+  row[kv_start : prefix_lens + 1] (kv_start = document length), and the two merged by
+  log-sum-exp.
+
+The KV pool (`engine/kv_cache.py`, class `KVPool`) exposes `k_buffers[layer]` and `v_buffers[layer]`
+([num_slots, num_kv_heads, head_dim], slot 0 a sink for padding) and `slot_sid` ([num_slots] int32).
+The runner sets `slot_sid[out_slots] = q_sid` once per step, before the forward; a backend writes
+only K/V. A backend is built as `Backend(pool, num_heads, num_kv_heads, head_dim, sm_scale)`.
+
+All index tensors live on the model's device. Shapes depend only on the batch (B requests,
+T new tokens), never on how much has been generated, so a decode step can be captured as a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+
+@dataclass
+class CascadeMetadata:
+    """Groups of decode requests that share a document (requests sorted so groups are contiguous)."""
+
+    group_req_indptr: torch.Tensor  # [G+1] int32: requests of group g are batch rows [indptr[g], indptr[g+1])
+    doc_req_indices: torch.Tensor  # [G] int32: a req_to_token row holding the group's document
+    doc_lens: torch.Tensor  # [G] int32: document tokens (the row prefix [0, doc_len) is the document)
+    max_group_size: int
+    max_doc_len: int
+
+
+@dataclass
+class ForwardMetadata:
+    kind: Literal["extend", "decode"]
+    positions: torch.Tensor  # [T] int64 rotary position of each new token
+    out_slots: torch.Tensor  # [T] int64 pool slot receiving each new token's K/V (0 = sink)
+    q_sid: torch.Tensor  # [T] int32 stream id of each new token (-1: document token)
+    qo_indptr: torch.Tensor  # [B+1] int32 new tokens of request b: rows [qo_indptr[b], qo_indptr[b+1])
+    req_indices: torch.Tensor  # [B] int32 row of each request in req_to_token
+    kv_start: torch.Tensor  # [B] int32 first row position read in stage 1 (0, or doc len for cascade)
+    prefix_lens: torch.Tensor  # [B] int32 row positions cached before this step
+    req_to_token: torch.Tensor  # [max_reqs, max_row_len] int32 slots of each row
+    logit_indices: torch.Tensor  # [R] int64 rows of the step whose logits are needed
+    max_extend_len: int  # max new tokens of one request in this step
+    max_prefix_len: int  # max prefix_lens over the batch (host int; may be an upper bound)
+    cascade: CascadeMetadata | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+class AttentionBackend(Protocol):
+    """What the model's attention layers call. One instance per engine, bound to its KV pool."""
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: ForwardMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v into the pool at meta.out_slots (layer `layer`), then attend."""
+        ...
