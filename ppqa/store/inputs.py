@@ -1,0 +1,254 @@
+"""Reading what users ingest: a document file, a questions file, a batch file; and templates.
+
+Every check happens here, before the store is opened, so that bad input changes nothing. Each
+problem raises `InputError` with one line naming the file and, where there is one, the line
+(`questions.jsonl:4: invalid JSON ...`). Text files must be UTF-8 without NUL bytes; `-` reads
+standard input. Questions come from `.txt` (one a line; blank lines and `#` comments skipped),
+`.jsonl` (`{"question": ..., "id": ...}`) or `.csv` (a `question` column, optional `id`);
+a question without an id gets its 1-based number as id.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ppqa.store.errors import InputError
+
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
+QUESTION_FORMATS = (".txt", ".jsonl", ".csv")
+
+
+@dataclass(frozen=True)
+class QuestionInput:
+    custom_id: str
+    text: str
+    where: str  # "file:line", for messages
+
+    def __post_init__(self) -> None:
+        if not self.text.strip():
+            raise InputError(f"{self.where}: empty question")
+        if not self.custom_id.strip():
+            raise InputError(f"{self.where}: empty question id")
+
+
+def read_text(path: str | Path, what: str = "file") -> str:
+    """The UTF-8 text of `path` (`-`: stdin), refusing missing files, folders and binary data."""
+    label = "<stdin>" if str(path) == "-" else str(path)
+    if str(path) == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        p = Path(path)
+        if p.is_dir():
+            raise InputError(f"{label}: is a directory, not a {what}")
+        if not p.exists():
+            raise InputError(f"{label}: no such {what}")
+        try:
+            data = p.read_bytes()
+        except OSError as exc:
+            raise InputError(f"{label}: cannot read it ({exc.strerror})")
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        line = data.count(b"\n", 0, nul) + 1
+        raise InputError(f"{label}:{line}: binary data (NUL byte at offset {nul}), expected UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise InputError(f"{label}:{line}: not valid UTF-8 (byte 0x{data[exc.start]:02x} "
+                         f"at offset {exc.start})")
+    return text.removeprefix("\ufeff")  # a BOM is an encoding mark, not content
+
+
+def read_document(path: str | Path) -> tuple[str, str]:
+    """(text, default name) of a document file; an empty or blank document is refused."""
+    text = read_text(path, "document")
+    label = "<stdin>" if str(path) == "-" else str(path)
+    if not text.strip():
+        raise InputError(f"{label}: the document is empty" if not text
+                         else f"{label}: the document is only whitespace")
+    name = "stdin" if str(path) == "-" else Path(path).stem
+    return text, name
+
+
+def read_questions(path: str | Path) -> list[QuestionInput]:
+    suffix = Path(str(path)).suffix.lower()
+    if suffix not in QUESTION_FORMATS:
+        raise InputError(f"{path}: unknown questions format {suffix or '(no extension)'!r}; "
+                         f"use {', '.join(QUESTION_FORMATS)}")
+    text = read_text(path, "questions file")
+    parse = {".txt": _parse_txt, ".jsonl": _parse_jsonl, ".csv": _parse_csv}[suffix]
+    questions = parse(text, str(path))
+    return check_questions(questions, str(path))
+
+
+def check_questions(questions: list[QuestionInput], where: str) -> list[QuestionInput]:
+    if not questions:
+        raise InputError(f"{where}: no questions found")
+    first_seen: dict[str, str] = {}
+    for q in questions:
+        if q.custom_id in first_seen:
+            raise InputError(f"{q.where}: duplicate question id {q.custom_id!r} "
+                             f"(first at {first_seen[q.custom_id]})")
+        first_seen[q.custom_id] = q.where
+    return questions
+
+
+def _parse_txt(text: str, label: str) -> list[QuestionInput]:
+    out = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            out.append(QuestionInput(str(len(out) + 1), line, f"{label}:{lineno}"))
+    return out
+
+
+def _parse_jsonl(text: str, label: str) -> list[QuestionInput]:
+    out = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{label}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
+        out.append(question_from_obj(obj, len(out), where))
+    return out
+
+
+def question_from_obj(obj: object, position: int, where: str) -> QuestionInput:
+    """A question from a JSON value: a string, or {"question": ..., "id": ...}."""
+    if isinstance(obj, str):
+        return QuestionInput(str(position + 1), obj.strip(), where)
+    if not isinstance(obj, dict):
+        raise InputError(f'{where}: expected an object like {{"question": "...", "id": "..."}}')
+    unknown = set(obj) - {"question", "id"}
+    if unknown:
+        raise InputError(f"{where}: unknown key {sorted(unknown)[0]!r} (expected question, id)")
+    question = obj.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise InputError(f"{where}: 'question' must be a non-empty string")
+    qid = obj.get("id", position + 1)
+    if isinstance(qid, bool) or not isinstance(qid, (str, int)):
+        raise InputError(f"{where}: 'id' must be a string or a whole number, got {qid!r}")
+    return QuestionInput(str(qid).strip(), question.strip(), where)
+
+
+def _parse_csv(text: str, label: str) -> list[QuestionInput]:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise InputError(f"{label}: empty CSV file, expected a header with a 'question' column")
+    except csv.Error as exc:
+        raise InputError(f"{label}:1: malformed CSV ({exc})")
+    columns = [h.strip().lower() for h in header]
+    if "question" not in columns:
+        shown = ", ".join(repr(h) for h in header) or "none"
+        raise InputError(f"{label}:1: no 'question' column in the header (columns: {shown})")
+    q_col = columns.index("question")
+    id_col = columns.index("id") if "id" in columns else None
+    out = []
+    try:
+        for row in reader:
+            where = f"{label}:{reader.line_num}"
+            if not any(cell.strip() for cell in row):
+                continue
+            question = row[q_col].strip() if q_col < len(row) else ""
+            if not question:
+                raise InputError(f"{where}: empty question")
+            qid = row[id_col].strip() if id_col is not None and id_col < len(row) else ""
+            out.append(QuestionInput(qid or str(len(out) + 1), question, where))
+    except csv.Error as exc:
+        raise InputError(f"{label}:{reader.line_num}: malformed CSV ({exc})")
+    return out
+
+
+def available_templates() -> list[str]:
+    """Built-in template names: the `*.jinja` files of the top-level templates/ folder."""
+    if not TEMPLATES_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja") if not p.name.startswith("_"))
+
+
+def resolve_template(template: str) -> str:
+    """A built-in name as is, or a user `.jinja` file as an absolute path; else InputError."""
+    if template in available_templates():
+        return template
+    path = Path(template).expanduser()
+    if template.endswith(".jinja") and path.is_file():
+        return str(path.resolve())
+    known = ", ".join(available_templates()) or "none installed"
+    raise InputError(f"unknown template {template!r} (built-in: {known}; or a path to a .jinja file)")
+
+
+PARAM_KEYS = ("template", "max_new_tokens", "temperature", "top_p", "seed", "mode", "model",
+              "priority")
+
+
+@dataclass
+class BatchItem:
+    """One line of a batch file: a document, its questions and per-line option overrides."""
+
+    document_text: str
+    name: str
+    questions: list[QuestionInput]
+    overrides: dict
+    where: str
+
+
+def read_batch(path: str | Path) -> list[BatchItem]:
+    """Parse a batch `.jsonl`: one `{"document"|"document_path", "questions", ...}` a line.
+
+    `document_path` is relative to the batch file's folder; `name` defaults to `id`, then to the
+    document file's name; any of PARAM_KEYS overrides the command-line option for that line.
+    """
+    text = read_text(path, "batch file")
+    label = "<stdin>" if str(path) == "-" else str(path)
+    base = Path.cwd() if str(path) == "-" else Path(path).resolve().parent
+    allowed = {"document", "document_path", "questions", "name", "id", *PARAM_KEYS}
+    items = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{label}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
+        if not isinstance(obj, dict):
+            raise InputError(f"{where}: expected a JSON object with 'document' and 'questions'")
+        unknown = sorted(set(obj) - allowed)
+        if unknown:
+            raise InputError(f"{where}: unknown key {unknown[0]!r} "
+                             f"(allowed: {', '.join(sorted(allowed))})")
+        if ("document" in obj) == ("document_path" in obj):
+            raise InputError(f"{where}: give exactly one of 'document' and 'document_path'")
+        if "document" in obj:
+            doc = obj["document"]
+            if not isinstance(doc, str) or not doc.strip():
+                raise InputError(f"{where}: 'document' must be a non-empty string")
+            default_name = f"{Path(label).stem}-{lineno}"
+        else:
+            doc_path = base / str(obj["document_path"])
+            try:
+                doc, default_name = read_document(doc_path)
+            except InputError as exc:
+                raise InputError(f"{where}: {exc}")
+        raw_questions = obj.get("questions")
+        if not isinstance(raw_questions, list):
+            raise InputError(f"{where}: 'questions' must be a list of strings or objects")
+        questions = [question_from_obj(q, i, f"{where} question {i + 1}")
+                     for i, q in enumerate(raw_questions)]
+        check_questions(questions, where)
+        name = obj.get("name") or obj.get("id") or default_name
+        overrides = {k: obj[k] for k in PARAM_KEYS if k in obj}
+        items.append(BatchItem(doc, str(name), questions, overrides, where))
+    if not items:
+        raise InputError(f"{label}: no documents found")
+    return items

@@ -1,0 +1,150 @@
+"""Adding jobs to the store and changing them by hand: ingest, cancel, retry.
+
+The CLI reads and checks input (`inputs.py`), builds `IngestRequest`s and calls `ingest`, which
+writes documents, jobs and questions in ONE write transaction: either every request lands or,
+on any refusal (an identical job already queued, a bad template), nothing does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from sqlalchemy import Connection, func, insert, select, update
+
+from ppqa.store.db import Database
+from ppqa.store.errors import InputError, StoreError
+from ppqa.store.inputs import QuestionInput, resolve_template
+from ppqa.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, Answer, Document, Job,
+                               Question)
+from ppqa.store.params import GenerationParams
+
+
+@dataclass
+class IngestRequest:
+    document_text: str
+    name: str
+    questions: list[QuestionInput]
+    params: GenerationParams = field(default_factory=GenerationParams)
+    priority: int = 0
+    where: str = ""  # prefix for messages ("batch.jsonl:3"); empty for a single ingest
+
+    def __post_init__(self) -> None:
+        if not self.document_text.strip():
+            raise InputError(self._at("the document is empty"))
+        if not self.questions:
+            raise InputError(self._at("no questions"))
+        if not self.name.strip():
+            raise InputError(self._at("the document name is empty"))
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InputError(self._at(f"priority must be a whole number, got {self.priority!r}"))
+
+    def _at(self, message: str) -> str:
+        return f"{self.where}: {message}" if self.where else message
+
+
+@dataclass
+class IngestResult:
+    job_id: int
+    document_id: int
+    document_name: str
+    document_is_new: bool
+    question_count: int
+
+    def to_dict(self) -> dict:
+        return {"job": self.job_id, "document": self.document_id,
+                "document_name": self.document_name, "document_is_new": self.document_is_new,
+                "questions": self.question_count}
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def job_key(document_sha256: str, questions: list[QuestionInput], params: GenerationParams) -> str:
+    """Identity of a job's work: same document, same questions and ids, same parameters."""
+    payload = {"document": document_sha256,
+               "questions": [[q.custom_id, q.text] for q in questions],
+               "params": params.to_dict()}
+    return sha256_text(json.dumps(payload, sort_keys=True, ensure_ascii=False))
+
+
+def ingest(db: Database, requests: list[IngestRequest], *, force: bool = False) -> list[IngestResult]:
+    """Queue every request, or none: see the module doc. `force` allows identical jobs."""
+    for req in requests:  # template files are checked before the transaction starts
+        resolved = resolve_template(req.params.template)
+        if resolved != req.params.template:
+            req.params = GenerationParams.from_dict({**req.params.to_dict(), "template": resolved})
+    results = []
+    with db.write() as conn:
+        now = db.now(conn)
+        for req in requests:
+            results.append(_ingest_one(conn, req, now, force))
+    return results
+
+
+def _ingest_one(conn: Connection, req: IngestRequest, now, force: bool) -> IngestResult:
+    sha = sha256_text(req.document_text)
+    doc = conn.execute(select(Document.id, Document.name).where(Document.sha256 == sha)).first()
+    if doc is None:
+        doc_id = conn.execute(insert(Document).values(
+            sha256=sha, name=req.name, text=req.document_text, created_at=now)
+        ).inserted_primary_key[0]
+        doc_name, is_new = req.name, True
+    else:
+        doc_id, doc_name, is_new = doc.id, doc.name, False
+    key = job_key(sha, req.questions, req.params)
+    if not force:
+        existing = conn.execute(select(Job.id).where(Job.job_key == key, Job.status != CANCELLED)
+                                .order_by(Job.id)).scalars().first()
+        if existing is not None:
+            raise InputError(req._at(f"an identical job is already in the store: job {existing} "
+                                     "(use --force to queue it again)"))
+    job_id = conn.execute(insert(Job).values(
+        document_id=doc_id, question_count=len(req.questions), params=req.params.to_dict(),
+        job_key=key, status=QUEUED, priority=req.priority, attempts=0, created_at=now,
+        model=req.params.model)).inserted_primary_key[0]
+    conn.execute(insert(Question), [
+        {"job_id": job_id, "position": i, "custom_id": q.custom_id, "text": q.text}
+        for i, q in enumerate(req.questions)])
+    return IngestResult(job_id, doc_id, doc_name, is_new, len(req.questions))
+
+
+def _job_status(conn: Connection, job_id: int) -> str:
+    status = conn.execute(select(Job.status).where(Job.id == job_id)).scalar_one_or_none()
+    if status is None:
+        raise StoreError(f"no job {job_id}")
+    return status
+
+
+def cancel_job(db: Database, job_id: int) -> str:
+    """Cancel a queued or running job (a worker on it sees it at its next heartbeat)."""
+    with db.write() as conn:
+        status = _job_status(conn, job_id)
+        if status not in (QUEUED, RUNNING):
+            raise StoreError(f"job {job_id} is {status}; only queued or running jobs can be cancelled")
+        conn.execute(update(Job).where(Job.id == job_id).values(
+            status=CANCELLED, lease_owner=None, lease_expires_at=None, finished_at=db.now(conn)))
+    return CANCELLED
+
+
+def retry_job(db: Database, job_id: int) -> str:
+    """Queue a failed or cancelled job again, with fresh attempts; its answers so far are kept."""
+    with db.write() as conn:
+        status = _job_status(conn, job_id)
+        if status not in (FAILED, CANCELLED):
+            raise StoreError(f"job {job_id} is {status}; only failed or cancelled jobs can be retried")
+        conn.execute(update(Job).where(Job.id == job_id).values(
+            status=QUEUED, attempts=0, error=None, finished_at=None, lease_owner=None,
+            lease_expires_at=None))
+    return QUEUED
+
+
+def answered_counts(conn: Connection, job_ids: list[int] | None = None) -> dict[int, int]:
+    """Answers written so far, per job."""
+    stmt = (select(Question.job_id, func.count(Answer.id))
+            .join(Answer, Answer.question_id == Question.id).group_by(Question.job_id))
+    if job_ids is not None:
+        stmt = stmt.where(Question.job_id.in_(job_ids))
+    return {job_id: n for job_id, n in conn.execute(stmt)}

@@ -1,0 +1,161 @@
+"""Append-only, named schema migrations, recorded in the `ppqa_migrations` table.
+
+`migrate(db)` applies, in order and each in the same write transaction as its record, every
+migration of `MIGRATIONS` not yet recorded. Never edit or reorder a migration that has shipped:
+add a new one. Table definitions here are frozen copies of the schema as it was at that step,
+so they do not follow later edits of `models.py`; a test checks that migrating a blank database
+gives exactly `models.Base.metadata`, and that a database at migration 0001 upgrades in place.
+
+Several processes may open a new store at once (three workers starting together): the first to
+take the write lock (SQLite `BEGIN IMMEDIATE`, PostgreSQL an advisory lock) migrates; the others
+then find nothing to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+from sqlalchemy import (JSON, BigInteger, Column, Connection, DateTime, Float, ForeignKey, Index,
+                        Integer, MetaData, String, Table, Text, UniqueConstraint, inspect, select,
+                        text)
+
+from ppqa.store.models import NAMING_CONVENTION, MigrationRecord
+
+# Any fixed 64-bit number: the PostgreSQL advisory lock that serializes migrations.
+_PG_MIGRATION_LOCK = 7_040_911_236
+
+
+def _m0001_initial(conn: Connection) -> None:
+    """documents, jobs, questions, answers."""
+    md = MetaData(naming_convention=NAMING_CONVENTION)
+    Table("documents", md,
+          Column("id", Integer, primary_key=True),
+          Column("sha256", String(64), nullable=False, unique=True),
+          Column("name", String(500), nullable=False),
+          Column("text", Text, nullable=False),
+          Column("created_at", DateTime, nullable=False))
+    Table("jobs", md,
+          Column("id", Integer, primary_key=True),
+          Column("document_id", Integer, ForeignKey("documents.id"), nullable=False, index=True),
+          Column("question_count", Integer, nullable=False),
+          Column("params", JSON, nullable=False),
+          Column("job_key", String(64), nullable=False, index=True),
+          Column("status", String(16), nullable=False),
+          Column("priority", Integer, nullable=False),
+          Column("attempts", Integer, nullable=False),
+          Column("lease_owner", String(200)),
+          Column("lease_expires_at", DateTime),
+          Column("created_at", DateTime, nullable=False),
+          Column("started_at", DateTime),
+          Column("finished_at", DateTime),
+          Column("error", Text),
+          Index("ix_jobs_claim_order", "status", "priority", "created_at"))
+    Table("questions", md,
+          Column("id", Integer, primary_key=True),
+          Column("job_id", Integer, ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+          Column("position", Integer, nullable=False),
+          Column("custom_id", String(200), nullable=False),
+          Column("text", Text, nullable=False),
+          UniqueConstraint("job_id", "position"),
+          UniqueConstraint("job_id", "custom_id"))
+    Table("answers", md,
+          Column("id", Integer, primary_key=True),
+          Column("question_id", Integer, ForeignKey("questions.id", ondelete="CASCADE"),
+                 nullable=False, unique=True),
+          Column("text", Text, nullable=False),
+          Column("token_count", Integer, nullable=False),
+          Column("finish_reason", String(32), nullable=False),
+          Column("first_token_seconds", Float),
+          Column("total_seconds", Float),
+          Column("worker", String(200)),
+          Column("created_at", DateTime, nullable=False))
+    md.create_all(conn)
+
+
+def _m0002_reports(conn: Connection) -> None:
+    """Per-run speed reports (the worker writes one when it finishes a job)."""
+    md = MetaData(naming_convention=NAMING_CONVENTION)
+    Table("jobs", md, Column("id", Integer, primary_key=True))  # only for the foreign key
+    reports = Table(
+        "reports", md,
+        Column("id", Integer, primary_key=True),
+        Column("job_id", Integer, ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False,
+               index=True),
+        Column("worker", String(200), nullable=False),
+        Column("device", String(100), nullable=False),
+        Column("model", String(200), nullable=False),
+        Column("mode", String(32), nullable=False),
+        Column("streams", Integer),
+        Column("batch_size", Integer),
+        Column("wall_seconds", Float, nullable=False),
+        Column("prefill_seconds", Float),
+        Column("decode_seconds", Float),
+        Column("questions", Integer, nullable=False),
+        Column("prompt_tokens", Integer, nullable=False),
+        Column("answer_tokens", Integer, nullable=False),
+        Column("tokens_per_second", Float, nullable=False),
+        Column("questions_per_second", Float, nullable=False),
+        Column("peak_memory_bytes", BigInteger),
+        Column("created_at", DateTime, nullable=False))
+    reports.create(conn)
+
+
+def _m0003_job_model(conn: Connection) -> None:
+    """jobs.model: the model a job asks for, as a column so claims can filter on it in SQL."""
+    conn.execute(text("ALTER TABLE jobs ADD COLUMN model VARCHAR(200)"))
+    md = MetaData(naming_convention=NAMING_CONVENTION)
+    jobs = Table("jobs", md, Column("model", String(200)))
+    Index("ix_jobs_model", jobs.c.model).create(conn)
+    # Jobs ingested before this column existed carry their model in params.
+    rows = conn.execute(text("SELECT id, params FROM jobs")).all()
+    for job_id, params in rows:
+        model = _json_value(params).get("model")
+        if model:
+            conn.execute(text("UPDATE jobs SET model = :m WHERE id = :i"), {"m": model, "i": job_id})
+
+
+def _json_value(raw) -> dict:
+    import json
+
+    if isinstance(raw, dict):
+        return raw
+    return json.loads(raw) if raw else {}
+
+
+MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
+    ("0001_initial", _m0001_initial),
+    ("0002_reports", _m0002_reports),
+    ("0003_job_model", _m0003_job_model),
+]
+
+
+def applied_migrations(conn: Connection) -> list[str]:
+    if not inspect(conn).has_table(MigrationRecord.__tablename__):
+        return []
+    return list(conn.execute(select(MigrationRecord.name)).scalars())
+
+
+def migrate(db, *, upto: str | None = None) -> list[str]:
+    """Apply pending migrations (all, or up to and including `upto`); return the names applied."""
+    names = [name for name, _ in MIGRATIONS]
+    if upto is not None and upto not in names:
+        raise ValueError(f"unknown migration {upto!r}; known: {', '.join(names)}")
+    wanted = names if upto is None else names[: names.index(upto) + 1]
+    with db.read() as conn:  # the common case: nothing to do, and no write lock taken
+        if set(wanted) <= set(applied_migrations(conn)):
+            return []
+    applied_now: list[str] = []
+    with db.write() as conn:
+        if db.dialect == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+        MigrationRecord.__table__.create(conn, checkfirst=True)
+        done = set(applied_migrations(conn))
+        for name, step in MIGRATIONS:
+            if name not in wanted or name in done:
+                continue
+            step(conn)
+            conn.execute(MigrationRecord.__table__.insert().values(
+                name=name, applied_at=datetime.now(timezone.utc).replace(tzinfo=None)))
+            applied_now.append(name)
+    return applied_now

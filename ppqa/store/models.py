@@ -1,0 +1,127 @@
+"""The job store's schema as SQLAlchemy 2.0 ORM classes: the one description of every table.
+
+Migrations (`migrations.py`) must build exactly this schema (a test compares them); the queue and
+the services (`queue.py`, `jobs.py`, `export.py`) query these classes with Core-style statements
+on a Connection. Timestamps are naive UTC datetimes. No torch here, ever.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, MetaData,
+                        String, Text, UniqueConstraint)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names, so that a migrated database and `create_all` agree and a
+# later migration can name what it changes.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+JOB_STATUSES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class MigrationRecord(Base):
+    """One applied migration (append-only, by name)."""
+
+    __tablename__ = "ppqa_migrations"
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    applied_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Document(Base):
+    """A document's text, stored once however many jobs ask about it."""
+
+    __tablename__ = "documents"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(500))
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Job(Base):
+    """One ingest: a document, a question set and generation parameters, with its queue state."""
+
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    document_id: Mapped[int] = mapped_column(ForeignKey("documents.id"), index=True)
+    question_count: Mapped[int] = mapped_column(Integer)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # sha256 of (document, questions, params): finds an identical job at ingest.
+    job_key: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16))
+    priority: Mapped[int] = mapped_column(Integer)
+    attempts: Mapped[int] = mapped_column(Integer)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
+    error: Mapped[str | None] = mapped_column(Text)
+    # Added by migration 0003: the model a job asks for (None: whatever the worker runs),
+    # a column so that claims can filter on it in SQL.
+    model: Mapped[str | None] = mapped_column(String(200), index=True)
+
+    __table_args__ = (Index("ix_jobs_claim_order", "status", "priority", "created_at"),)
+
+
+class Question(Base):
+    __tablename__ = "questions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)  # 0-based order in the questions file
+    custom_id: Mapped[str] = mapped_column(String(200))
+    text: Mapped[str] = mapped_column(Text)
+
+    __table_args__ = (UniqueConstraint("job_id", "position"), UniqueConstraint("job_id", "custom_id"))
+
+
+class Answer(Base):
+    """Exactly one per question (the unique constraint is what makes re-runs safe)."""
+
+    __tablename__ = "answers"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    question_id: Mapped[int] = mapped_column(
+        ForeignKey("questions.id", ondelete="CASCADE"), unique=True)
+    text: Mapped[str] = mapped_column(Text)
+    token_count: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    first_token_seconds: Mapped[float | None] = mapped_column(Float)
+    total_seconds: Mapped[float | None] = mapped_column(Float)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Report(Base):
+    """Speed figures of one run of one job (a job resumed after a crash has several)."""
+
+    __tablename__ = "reports"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    worker: Mapped[str] = mapped_column(String(200))
+    device: Mapped[str] = mapped_column(String(100))
+    model: Mapped[str] = mapped_column(String(200))
+    mode: Mapped[str] = mapped_column(String(32))
+    streams: Mapped[int | None] = mapped_column(Integer)
+    batch_size: Mapped[int | None] = mapped_column(Integer)
+    wall_seconds: Mapped[float] = mapped_column(Float)
+    prefill_seconds: Mapped[float | None] = mapped_column(Float)
+    decode_seconds: Mapped[float | None] = mapped_column(Float)
+    questions: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    answer_tokens: Mapped[int] = mapped_column(Integer)
+    tokens_per_second: Mapped[float] = mapped_column(Float)
+    questions_per_second: Mapped[float] = mapped_column(Float)
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime)

@@ -1,0 +1,58 @@
+"""Generation parameters of a job, checked once at ingest and stored as JSON in `jobs.params`.
+
+The CLI builds them from options (or a batch line), the store hashes them into the job key and
+the worker reads them back with `GenerationParams.from_dict` to drive the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ppqa.store.errors import InputError
+
+MODES = ("auto", "parallel", "stock", "cascade")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    template: str = "qa"
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy decoding
+    top_p: float = 1.0
+    seed: int = 0
+    mode: str = "auto"
+    model: str | None = None  # None: whatever model the worker runs
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.template, str) or not self.template.strip():
+            raise InputError("template must be a non-empty name or path")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise InputError(f"max_new_tokens must be a whole number, got {self.max_new_tokens!r}")
+        if self.max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not _is_number(self.temperature) or not (0.0 <= self.temperature <= 100.0):
+            raise InputError(f"temperature must be a number from 0 to 100, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InputError(f"seed must be a whole number >= 0, got {self.seed!r}")
+        if self.mode not in MODES:
+            raise InputError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise InputError(f"model must be a non-empty name or path, got {self.model!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationParams:
+        """Read stored params, ignoring keys a newer ppqa may have added."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))

@@ -1,0 +1,106 @@
+"""Read-only views of the store for `ppqa status`, `jobs` and `show`, as JSON-ready dicts.
+
+Each function reads in one transaction (a consistent snapshot) and returns plain dicts and
+lists: the CLI prints them as Rich tables or, with `--json`, as they are. Timestamps are ISO 8601
+UTC strings ("2026-11-29T12:00:00Z").
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import func, select
+
+from ppqa.store.db import Database
+from ppqa.store.errors import StoreError
+from ppqa.store.jobs import answered_counts
+from ppqa.store.models import JOB_STATUSES, Answer, Document, Job, Question
+
+
+def iso(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    return value.replace(microsecond=0).isoformat() + "Z"
+
+
+def queue_status(db: Database) -> dict:
+    """Jobs by status and questions answered of total, overall and per document."""
+    with db.read() as conn:
+        rows = conn.execute(
+            select(Job.document_id, Document.name, Job.status, func.count(Job.id),
+                   func.sum(Job.question_count))
+            .join(Document, Document.id == Job.document_id)
+            .group_by(Job.document_id, Document.name, Job.status)
+            .order_by(Job.document_id)).all()
+        answered = conn.execute(
+            select(Job.document_id, func.count(Answer.id))
+            .join(Question, Question.job_id == Job.id)
+            .join(Answer, Answer.question_id == Question.id)
+            .group_by(Job.document_id)).all()
+    per_answered = dict(answered)
+    documents: dict[int, dict] = {}
+    totals = {"jobs": dict.fromkeys(JOB_STATUSES, 0), "questions": 0, "answered": 0}
+    for doc_id, name, status, n_jobs, n_questions in rows:
+        doc = documents.setdefault(doc_id, {
+            "document": doc_id, "name": name, "jobs": dict.fromkeys(JOB_STATUSES, 0),
+            "questions": 0, "answered": per_answered.get(doc_id, 0)})
+        doc["jobs"][status] = int(n_jobs)
+        doc["questions"] += int(n_questions or 0)
+        totals["jobs"][status] += int(n_jobs)
+        totals["questions"] += int(n_questions or 0)
+    totals["answered"] = sum(per_answered.values())
+    return {"totals": totals, "documents": list(documents.values())}
+
+
+_JOB_COLUMNS = (Job.id, Job.document_id, Document.name, Job.status, Job.question_count,
+                Job.priority, Job.attempts, Job.params, Job.lease_owner, Job.lease_expires_at,
+                Job.created_at, Job.started_at, Job.finished_at, Job.error)
+
+
+def _job_dict(row, answered: int) -> dict:
+    return {"job": row.id, "document": row.document_id, "document_name": row.name,
+            "status": row.status, "questions": row.question_count, "answered": answered,
+            "priority": row.priority, "attempts": row.attempts, "params": row.params,
+            "lease_owner": row.lease_owner, "lease_expires_at": iso(row.lease_expires_at),
+            "created_at": iso(row.created_at), "started_at": iso(row.started_at),
+            "finished_at": iso(row.finished_at), "error": row.error}
+
+
+def list_jobs(db: Database, status: str | None = None, limit: int | None = None) -> list[dict]:
+    """Jobs, newest first, optionally of one status."""
+    if status is not None and status not in JOB_STATUSES:
+        raise StoreError(f"unknown status {status!r}; choose one of {', '.join(JOB_STATUSES)}")
+    stmt = (select(*_JOB_COLUMNS).join(Document, Document.id == Job.document_id)
+            .order_by(Job.id.desc()))
+    if status is not None:
+        stmt = stmt.where(Job.status == status)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    with db.read() as conn:
+        rows = conn.execute(stmt).all()
+        counts = answered_counts(conn, [r.id for r in rows]) if rows else {}
+    return [_job_dict(r, counts.get(r.id, 0)) for r in rows]
+
+
+def job_detail(db: Database, job_id: int) -> dict:
+    """One job with its questions, the answers so far and its speed reports."""
+    from ppqa.store.reports import list_reports
+
+    with db.read() as conn:
+        row = conn.execute(select(*_JOB_COLUMNS).join(Document, Document.id == Job.document_id)
+                           .where(Job.id == job_id)).first()
+        if row is None:
+            raise StoreError(f"no job {job_id}")
+        questions = conn.execute(
+            select(Question.id, Question.position, Question.custom_id, Question.text,
+                   Answer.text.label("answer"), Answer.token_count, Answer.finish_reason,
+                   Answer.created_at.label("answered_at"))
+            .outerjoin(Answer, Answer.question_id == Question.id)
+            .where(Question.job_id == job_id).order_by(Question.position)).all()
+    detail = _job_dict(row, sum(1 for q in questions if q.answer is not None))
+    detail["questions_detail"] = [
+        {"question_id": q.custom_id, "position": q.position, "question": q.text,
+         "answer": q.answer, "tokens": q.token_count, "finish_reason": q.finish_reason,
+         "answered_at": iso(q.answered_at)} for q in questions]
+    detail["reports"] = list_reports(db, job_id)
+    return detail
