@@ -1,0 +1,224 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> HF-named torch weights, vocabulary -> tokenizer.
+
+Reads with the `gguf` package (memory-mapped; imported here only, never by the GPU-side modules).
+Each tensor is dequantized when the weight iterator reaches it (F32/F16/BF16/Q8_0/Q4_0/Q4_1 and
+every other type `gguf.quants` knows) and converted straight to the requested dtype and device.
+llama.cpp's converter permutes the rows of attn_q/attn_k of `llama` models so that rotary pairs are
+adjacent (its "normal" rope); `unpermute_rope_rows` restores Hugging Face's half-split layout.
+Qwen2 files use the NEOX rope layout and are stored unpermuted.
+The tokenizer is built by `transformers` from the same file (it reads tokens, merges, pre-tokenizer
+and chat template from the metadata), cached per file for the life of the process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ppqa.engine.loader import LazyWeights, LoadedModel, ModelLoadError
+from ppqa.engine.model.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+# Tensors a llama.cpp file may carry that the HF model derives itself (rope frequency factors).
+_IGNORED = {"rope_freqs.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None for tensors the model does not load)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, interleaved pairs -> HF's two halves.
+
+    The converter viewed each head's rows as (2, head_dim/2) and swapped the axes; the inverse
+    views them as (head_dim/2, 2) and swaps back. Works for weights [out, in] and biases [out].
+    """
+    rows, rest = w.shape[0], w.shape[1:]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+@lru_cache(maxsize=4)
+def _open(path: str, mtime_ns: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _reader(path: Path) -> Any:
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise ModelLoadError(f"loading {str(path)!r} needs the `gguf` package (pip install gguf)") from e
+    try:
+        return _open(str(path), path.stat().st_mtime_ns)
+    except Exception as e:  # noqa: BLE001 -- gguf raises ValueError, IndexError, OSError... on bad files
+        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file (corrupt or truncated?): "
+                             f"{type(e).__name__}: {e}") from e
+
+
+def config_from_gguf(reader: Any, path: Path, tensor_names: set[str]) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{str(path)!r}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{name}", default)
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    rope_scaling = None
+    if key("rope.scaling.type") not in (None, "none"):
+        rope_scaling = {"rope_type": key("rope.scaling.type"), "type": key("rope.scaling.type"),
+                        "factor": float(key("rope.scaling.factor", 1.0))}
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError(f"{str(path)!r} carries llama.cpp rope frequency factors (Llama 3.1 "
+                             "style); load this model from its Hugging Face directory instead")
+    eos = [_field(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    try:
+        return ModelConfig(
+            vocab_size=int(key("vocab_size", len(tokens))),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=int(key("attention.key_length", hidden // heads)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=sorted({int(e) for e in eos if e is not None}),
+            name=str(_field(reader, "general.name", path.stem)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{str(path)!r}: GGUF metadata incomplete or invalid for {arch}: {e}") from e
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    import gguf
+
+    # Shapes in GGUF are reversed (innermost first); numpy's are [out, in] like torch's.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # F32 tensors come back as read-only views of the memory map; torch wants its own copy.
+    return np.array(data, dtype=np.float32, copy=not data.flags.writeable or data.dtype != np.float32
+                    ).reshape(shape)
+
+
+def _weights(path: Path, config: ModelConfig, arch: str, device: torch.device,
+             dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = _reader(path)
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            array = _dequantize(tensor)
+        except Exception as e:  # noqa: BLE001 -- a truncated mmap or an unknown quant type
+            raise ModelLoadError(f"{str(path)!r}: cannot read tensor {tensor.name} "
+                                 f"({tensor.tensor_type.name}): {type(e).__name__}: {e}") from e
+        weight = torch.from_numpy(array)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+            weight = unpermute_rope_rows(weight, heads)
+        yield name, weight.to(device=device, dtype=dtype)
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from ppqa.engine.presets import weight_shapes
+
+    return dict(weight_shapes(config))
+
+
+def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    reader = _reader(path)
+    try:
+        tensors = {t.name: t for t in reader.tensors}
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"{str(path)!r}: unreadable tensor table: {e}") from e
+    config = config_from_gguf(reader, path, set(tensors))
+    arch = _field(reader, "general.architecture")
+    expected = _expected_shapes(config)
+    found = {hf_name(n): tuple(int(d) for d in reversed(t.shape.tolist()))
+             for n, t in tensors.items() if hf_name(n) is not None}
+    missing = sorted(set(expected) - set(found))
+    wrong = [f"{n} {found[n]} != {expected[n]}" for n in expected if n in found and found[n] != expected[n]]
+    unknown = sorted(n for n in tensors if hf_name(n) is None and n not in _IGNORED)
+    if missing or wrong or unknown:
+        raise ModelLoadError(f"{str(path)!r} does not match its {arch} metadata: "
+                             + "; ".join(filter(None, [
+                                 f"missing {', '.join(missing[:5])}" if missing else "",
+                                 f"wrong shapes {', '.join(wrong[:5])}" if wrong else "",
+                                 f"unexpected tensors {', '.join(unknown[:5])}" if unknown else ""])))
+    types = sorted({t.tensor_type.name for t in tensors.values()})
+    tokenizer = gguf_tokenizer(path, config.eos_token_ids)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_ids = list(tokenizer.eos_token_ids)
+
+    def produce() -> Iterator[tuple[str, torch.Tensor]]:
+        return _weights(path, config, arch, device, dtype)
+
+    return LoadedModel(config=config, weights=LazyWeights(produce, len(found)), tokenizer=tokenizer,
+                       source=f"gguf:{path} ({', '.join(types)})")
+
+
+def gguf_tokenizer(path: Path, extra_eos_ids: list[int]) -> Any:
+    from ppqa.engine.tokenizer import HFTokenizer
+
+    hf = _hf_tokenizer(str(path.resolve()), path.stat().st_mtime_ns)
+    return HFTokenizer(hf, extra_eos_ids=extra_eos_ids)
+
+
+@lru_cache(maxsize=2)
+def _hf_tokenizer(path: str, mtime_ns: int) -> Any:
+    # transformers rebuilds the vocabulary in Python (~4 s for SmolLM2); the result is immutable in
+    # use, so one copy per file serves every Engine of the process.
+    import transformers
+
+    p = Path(path)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                          local_files_only=True)
+    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds on bad metadata
+        raise ModelLoadError(f"{path!r}: cannot build the tokenizer from the GGUF metadata: "
+                             f"{type(e).__name__}: {e}") from e

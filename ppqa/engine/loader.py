@@ -1,0 +1,143 @@
+"""Model loading: a spec string in, a config + lazy weights + tokenizer out.
+
+`load_model(spec)` accepts
+  - an embedded name (`smollm2`): fetched into the model cache on first use (`engine/model_cache.py`),
+    then loaded as a GGUF file;
+  - a path to a `.gguf` file (`engine/gguf_loader.py`, dequantized with the `gguf` package);
+  - a path to a Hugging Face directory (`engine/hf_loader.py`: config.json + safetensors);
+  - `dummy:<preset>` (`engine/presets.py`: seeded random weights, no files).
+Every source yields the same thing: a `ModelConfig` and weights under Hugging Face Llama names,
+already in the requested dtype and on the requested device, produced one tensor at a time so the
+engine (which builds its model on the meta device) never holds two copies of a large model.
+
+This module imports neither `gguf` nor `platformdirs` at the top: the GPU machine lacks both, and
+`dummy:` models must load there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ppqa.engine.model.config import ModelConfig
+from ppqa.engine.tokenizer import Tokenizer
+
+DUMMY_PREFIX = "dummy:"
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded: unknown name, missing or corrupt file, unsupported format."""
+
+
+class LazyWeights:
+    """An iterable of (name, tensor) that re-opens its source on every iteration.
+
+    Each iteration produces tensors one at a time; nothing is kept between iterations.
+    """
+
+    def __init__(self, produce: Callable[[], Iterator[tuple[str, torch.Tensor]]], count: int) -> None:
+        self._produce = produce
+        self.count = count  # number of tensors one iteration yields
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._produce()
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: Iterable[tuple[str, torch.Tensor]]  # HF Llama names; requested dtype and device; lazy
+    tokenizer: Tokenizer
+    source: str  # human description, e.g. "gguf:/path (Q4_1)"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, ModelConfig):
+            raise TypeError(f"LoadedModel.config must be a ModelConfig, got {type(self.config).__name__}")
+        if not self.source:
+            raise ValueError("LoadedModel.source must describe where the model came from")
+
+
+def preset_names() -> list[str]:
+    """Names usable as `dummy:<name>`."""
+    from ppqa.engine.presets import preset_names as names
+
+    return names()
+
+
+def load_model(spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> LoadedModel:
+    """Load the model named by `spec` (see the module docstring); `seed` only affects dummy weights."""
+    from ppqa.engine import model_cache
+
+    device = torch.device(device)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ModelLoadError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    spec = str(spec).strip()
+    if spec.startswith(DUMMY_PREFIX):
+        return _load_dummy(spec[len(DUMMY_PREFIX):], device=device, dtype=dtype, seed=seed)
+    if spec in model_cache.EMBEDDED:
+        path = model_cache.ensure(spec)
+        return _load_path(path, device=device, dtype=dtype)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _load_path(path, device=device, dtype=dtype)
+    cached = model_cache.models_dir() / spec
+    if spec and "/" not in spec and cached.exists():
+        return _load_path(cached, device=device, dtype=dtype)
+    raise ModelLoadError(
+        f"unknown model {spec!r}: not an embedded model ({', '.join(model_cache.EMBEDDED)}), not an "
+        f"existing .gguf file or Hugging Face directory, not a model in the cache "
+        f"({model_cache.models_dir()}), and not dummy:<preset> (presets: {', '.join(preset_names())}). "
+        f"Run `ppqa models list` to see what is available."
+    )
+
+
+def _load_path(path: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    if path.is_dir():
+        if (path / "config.json").exists():
+            from ppqa.engine.hf_loader import load_hf_dir
+
+            return load_hf_dir(path, device=device, dtype=dtype)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:  # a cache folder such as models/smollm2/
+            path = ggufs[0]
+        else:
+            raise ModelLoadError(
+                f"{str(path)!r} is a directory without config.json"
+                + (f" and with {len(ggufs)} .gguf files ({', '.join(p.name for p in ggufs)}): "
+                   "give the path of one" if ggufs else
+                   ": expected a Hugging Face model directory (config.json + *.safetensors) "
+                   "or a directory holding one .gguf file")
+            )
+    if path.suffix.lower() == ".gguf":
+        from ppqa.engine.gguf_loader import load_gguf
+
+        return load_gguf(path, device=device, dtype=dtype)
+    if path.suffix.lower() in (".bin", ".pt", ".pth", ".pkl", ".ckpt"):
+        raise ModelLoadError(
+            f"{str(path)!r} is a pickled checkpoint; ppqa never unpickles weights (it can run code). "
+            "Convert it to safetensors in a Hugging Face directory, or use a .gguf file."
+        )
+    raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def _load_dummy(name: str, *, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
+    from ppqa.engine import presets
+
+    if name not in presets.PRESETS:
+        raise ModelLoadError(f"unknown dummy preset {name!r}: available presets are "
+                             f"{', '.join(presets.preset_names())} (use dummy:<preset>)")
+    config, init_std, tokenizer = presets.preset_config(name)
+    count = sum(1 for _ in presets.weight_shapes(config))
+
+    def produce() -> Iterator[tuple[str, torch.Tensor]]:
+        return presets.dummy_weights(config, init_std, device=device, dtype=dtype, seed=seed)
+
+    return LoadedModel(config=config, weights=LazyWeights(produce, count), tokenizer=tokenizer,
+                       source=f"dummy:{name} (random, seed {seed}, std {init_std})")

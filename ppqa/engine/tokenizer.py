@@ -1,0 +1,211 @@
+"""Tokenizers and prompts: text in, the token ids every engine mode sees out.
+
+A prompt is a shared prefix (chat wrapper start + instruction + document) and one suffix per
+question (question + end of the user turn + the assistant's start). The Jinja2 templates in the
+top-level `templates/` folder (or a user's `.jinja` file) supply the text of both parts as two
+blocks, `prefix` and `question`; `Tokenizer.prompt` wraps them in the model's chat template when it
+has one and tokenizes prefix and each suffix separately, so the split is a token boundary by
+construction and `stock`, `parallel` and `cascade` all see the same ids.
+
+Two tokenizers: `HFTokenizer` wraps a `transformers` tokenizer (built by `engine/loader.py` from an
+HF directory or GGUF metadata, never from the hub); `ByteTokenizer` is the file-free tokenizer of the
+`dummy:` models (UTF-8 bytes plus BOS/EOS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+# The repository's top-level templates/ folder (ppqa/engine/tokenizer.py -> repo root).
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
+TEMPLATE_SUFFIX = ".jinja"
+# Splits a rendered chat conversation into the prefix and the per-question part; control
+# characters so that no real text (or chat template) contains it.
+_SPLIT_MARK = "\x00ppqa-split\x00"
+_QUESTION_MARK = "\x00ppqa-question\x00"
+
+
+@dataclass
+class Prompt:
+    prefix_ids: list[int]  # shared: (chat wrapper start) + instruction + document
+    suffix_ids: list[list[int]]  # one per question: question + (chat wrapper end) + assistant start
+
+    def __post_init__(self) -> None:
+        if not self.suffix_ids:
+            raise ValueError("a Prompt needs at least one question suffix")
+        if any(not ids for ids in self.suffix_ids):
+            raise ValueError("every question suffix must have at least one token")
+
+    def ids(self, i: int) -> list[int]:
+        """The full token ids of question i (prefix + suffix)."""
+        return self.prefix_ids + self.suffix_ids[i]
+
+
+class Tokenizer:
+    """Base class: encode/decode plus prompt building from a template."""
+
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    add_bos: bool = False  # prepend BOS to the prompt prefix
+    chat_template: str | None = None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def render_chat(self, user_content: str) -> str:
+        """The conversation text of one user turn followed by the assistant's start."""
+        raise NotImplementedError(f"{type(self).__name__} has no chat template")
+
+    def prompt(self, template: str, document: str, questions: Sequence[str], *,
+               variables: Mapping[str, Any] | None = None) -> Prompt:
+        """Tokenize `questions` about `document` with a template (built-in name or .jinja path).
+
+        `variables` are extra names the template may use (e.g. `labels` for the label template).
+        """
+        if isinstance(questions, str):
+            raise TypeError("questions must be a sequence of strings, not one string")
+        if not questions:
+            raise ValueError("no questions: a prompt needs at least one question")
+        tmpl = load_template(template)
+        context = {**(variables or {}), "document": document, "chat": self.chat_template is not None}
+        prefix_text = render_block(tmpl, "prefix", context)
+        question_texts = [render_block(tmpl, "question", {**context, "question": q, "index": i})
+                          for i, q in enumerate(questions)]
+        if self.chat_template is not None:
+            # Chat templates often trim the message; leading blanks would not survive the split.
+            prefix_text = prefix_text.lstrip()
+            head, tail = self._chat_wrapper(prefix_text)
+            prefix_text = head + prefix_text
+            question_texts = [q + tail for q in question_texts]
+        prefix_ids = self.encode(prefix_text)
+        if self.add_bos and self.bos_token_id is not None and prefix_ids[:1] != [self.bos_token_id]:
+            prefix_ids.insert(0, self.bos_token_id)
+        return Prompt(prefix_ids, [self.encode(q) for q in question_texts])
+
+    def _chat_wrapper(self, prefix_text: str) -> tuple[str, str]:
+        """(text before the prefix, text after each question) in the chat-wrapped conversation."""
+        rendered = self.render_chat(prefix_text + _SPLIT_MARK + _QUESTION_MARK)
+        if rendered.count(_SPLIT_MARK + _QUESTION_MARK) != 1:
+            raise ValueError("the model's chat template does not keep the user's message intact; "
+                             "cannot split the prompt into a document prefix and question suffixes")
+        before, after = rendered.split(_SPLIT_MARK + _QUESTION_MARK)
+        if not before.endswith(prefix_text):
+            raise ValueError("the model's chat template changes the message text; "
+                             "cannot split the prompt into a document prefix and question suffixes")
+        return before[: len(before) - len(prefix_text)], after
+
+
+class HFTokenizer(Tokenizer):
+    """A `transformers` tokenizer (fast backend), with its chat template and EOS ids."""
+
+    def __init__(self, hf_tokenizer: Any, *, extra_eos_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
+        self.eos_token_ids = sorted(set(eos) | {int(i) for i in extra_eos_ids})
+        self.chat_template = getattr(hf_tokenizer, "chat_template", None) or None
+        # Whether the tokenizer itself adds BOS to plain text (Llama 2 yes, SmolLM2/Qwen no).
+        with_specials = hf_tokenizer.encode("a", add_special_tokens=True)
+        self.add_bos = (self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]
+                        and hf_tokenizer.encode("a", add_special_tokens=False)[:1] != [self.bos_token_id])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def render_chat(self, user_content: str) -> str:
+        if self.chat_template is None:
+            raise NotImplementedError("this tokenizer has no chat template")
+        return self.hf.apply_chat_template([{"role": "user", "content": user_content}],
+                                           tokenize=False, add_generation_prompt=True)
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then BOS and EOS; no files, no chat template (dummy models)."""
+
+    NUM_BYTES = 256
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < self.NUM_BYTES + 2:
+            raise ValueError(f"ByteTokenizer needs vocab_size >= {self.NUM_BYTES + 2} "
+                             f"(256 bytes + BOS + EOS), got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.bos_token_id = self.NUM_BYTES
+        self.eos_token_ids = [self.NUM_BYTES + 1]
+        self.add_bos = True
+        self.chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Specials and the ids above them (a random model emits any id below vocab_size) carry no text.
+        data = bytes(int(i) for i in ids if 0 <= int(i) < self.NUM_BYTES)
+        return data.decode("utf-8", errors="replace")
+
+
+# ---- templates -------------------------------------------------------------------------------
+
+
+def list_templates() -> list[str]:
+    """Names of the built-in templates (files `templates/<name>.jinja`)."""
+    return sorted(p.name[: -len(TEMPLATE_SUFFIX)] for p in TEMPLATES_DIR.glob("*" + TEMPLATE_SUFFIX))
+
+
+@lru_cache(maxsize=1)
+def _environment() -> Any:
+    from jinja2.sandbox import SandboxedEnvironment
+
+    # Sandboxed for every template: user templates are untrusted, and one environment keeps the
+    # built-in and user templates rendering identically. keep_trailing_newline: the templates'
+    # whitespace is part of the prompt.
+    return SandboxedEnvironment(keep_trailing_newline=False, autoescape=False)
+
+
+def load_template(template: str) -> Any:
+    """A compiled template from a built-in name or a path to a .jinja file."""
+    import jinja2
+
+    path = Path(template).expanduser()
+    if template in list_templates():
+        path = TEMPLATES_DIR / (template + TEMPLATE_SUFFIX)
+    elif not (path.suffix == TEMPLATE_SUFFIX or path.exists()):
+        raise ValueError(f"unknown template {template!r}: built-in templates are "
+                         f"{', '.join(list_templates())}, or give a path to a .jinja file")
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read template file {str(path)!r}: {e.strerror or e}") from e
+    try:
+        tmpl = _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"template {str(path)!r} line {e.lineno}: {e.message}") from e
+    missing = [b for b in ("prefix", "question") if b not in tmpl.blocks]
+    if missing:
+        raise ValueError(f"template {str(path)!r} must define the blocks 'prefix' (instruction + "
+                         f"{{{{ document }}}}) and 'question' ({{{{ question }}}}); missing: "
+                         f"{', '.join(missing)}")
+    return tmpl
+
+
+def render_block(tmpl: Any, block: str, context: Mapping[str, Any]) -> str:
+    """Render one block of a template with `context`."""
+    import jinja2
+
+    try:
+        return "".join(tmpl.blocks[block](tmpl.new_context(dict(context))))
+    except jinja2.TemplateError as e:
+        raise ValueError(f"template block {block!r} failed to render: {e}") from e
