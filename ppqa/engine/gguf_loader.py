@@ -86,7 +86,8 @@ def _reader(path: Path) -> Any:
     except ImportError as e:
         raise ModelLoadError(f"loading {str(path)!r} needs the `gguf` package (pip install gguf)") from e
     try:
-        return _open(str(path), path.stat().st_mtime_ns)
+        resolved = path.resolve()  # one cached reader per real file, whatever links point to it
+        return _open(str(resolved), resolved.stat().st_mtime_ns)
     except Exception as e:  # noqa: BLE001 -- gguf raises ValueError, IndexError, OSError... on bad files
         raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file (corrupt or truncated?): "
                              f"{type(e).__name__}: {e}") from e

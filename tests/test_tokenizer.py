@@ -1,0 +1,90 @@
+"""Tokenizers and prompt building: ByteTokenizer, SmolLM2's chat-wrapped prompts, the token split."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppqa.engine.tokenizer import ByteTokenizer, Prompt
+from tests.fixtures_models import smollm2, smollm2_gguf  # noqa: F401 -- fixtures
+
+DOC = "The Eiffel Tower is in Paris. It was finished in 1889 and is 330 metres tall."
+QUESTIONS = ["Where is the tower?", "When was it finished?", "How tall is it, in metres?"]
+
+
+def test_byte_tokenizer_round_trip_and_specials():
+    tok = ByteTokenizer(301)
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and all(0 <= i < 256 for i in ids)
+    assert tok.bos_token_id == 256 and tok.eos_token_ids == [257]
+    # Specials and ids above the byte range (a random model emits them) decode to nothing.
+    assert tok.decode([tok.bos_token_id, *ids, 257, 300]) == text
+    assert tok.decode(list("é".encode())[:1]) == "\ufffd"  # a cut multi-byte char does not raise
+
+
+def test_byte_tokenizer_needs_room_for_specials():
+    with pytest.raises(ValueError, match="vocab_size >= 258"):
+        ByteTokenizer(257)
+
+
+def test_byte_prompt_is_bos_prefix_then_question_suffixes():
+    tok = ByteTokenizer(384)
+    prompt = tok.prompt("qa", DOC, QUESTIONS)
+    assert prompt.prefix_ids[0] == tok.bos_token_id
+    prefix_text = tok.decode(prompt.prefix_ids)
+    assert prefix_text.endswith("Document:\n" + DOC) and "Question" not in prefix_text
+    assert len(prompt.suffix_ids) == len(QUESTIONS)
+    for q, suffix in zip(QUESTIONS, prompt.suffix_ids):
+        assert tok.decode(suffix) == f"\n\nQuestion: {q}\nAnswer:"
+    assert prompt.ids(1) == prompt.prefix_ids + prompt.suffix_ids[1]
+
+
+def test_prompt_rejects_empty_or_bare_string_questions():
+    tok = ByteTokenizer(384)
+    with pytest.raises(ValueError, match="no questions"):
+        tok.prompt("qa", DOC, [])
+    with pytest.raises(TypeError, match="not one string"):
+        tok.prompt("qa", DOC, "Where?")
+    with pytest.raises(ValueError, match="at least one question"):
+        Prompt([1, 2], [])
+
+
+def test_unknown_template_names_the_available_ones():
+    with pytest.raises(ValueError, match="qa") as err:
+        ByteTokenizer(384).prompt("nonexistent", DOC, QUESTIONS)
+    for name in ("judge", "label", "multiple_choice"):
+        assert name in str(err.value)
+
+
+def test_smollm2_prompt_wraps_in_chat_template(smollm2):
+    from ppqa.engine.loader import load_model
+
+    tok = load_model("smollm2").tokenizer
+    prompt = tok.prompt("qa", DOC, QUESTIONS)
+    prefix = tok.hf.decode(prompt.prefix_ids)
+    assert prefix.startswith("<|im_start|>system\n") and "<|im_start|>user\n" in prefix
+    assert prefix.endswith(DOC)
+    for q, suffix in zip(QUESTIONS, prompt.suffix_ids):
+        assert tok.hf.decode(suffix) == f"\n\nQuestion: {q}<|im_end|>\n<|im_start|>assistant\n"
+        assert tok.eos_token_ids[0] in suffix  # <|im_end|> closes the user turn
+    # The split is a token boundary: prefix + suffix equals transformers' own tokenization of the
+    # whole conversation (rendered by its apply_chat_template).
+    for i, q in enumerate(QUESTIONS):
+        content = tok.decode(prompt.prefix_ids).split("user\n", 1)[1] + f"\n\nQuestion: {q}"
+        reference = tok.hf.apply_chat_template([{"role": "user", "content": content}],
+                                               tokenize=True, add_generation_prompt=True)
+        if isinstance(reference, dict) or hasattr(reference, "keys"):
+            reference = reference["input_ids"]
+        assert prompt.ids(i) == list(reference)
+    # SmolLM2 adds no BOS of its own: the chat template's <|im_start|> (id 1) opens the prompt once.
+    assert not tok.add_bos and prompt.prefix_ids[:2] == [1, tok.encode("system")[0]]
+
+
+def test_smollm2_decode_skips_specials_and_eos_is_im_end(smollm2):
+    from ppqa.engine.loader import load_model
+
+    tok = load_model("smollm2").tokenizer
+    ids = tok.encode("<|im_start|>Hello world<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2  # special strings in text map to their ids
+    assert tok.decode(ids) == "Hello world"
+    assert tok.eos_token_ids == [2] and tok.hf.convert_ids_to_tokens(2) == "<|im_end|>"
