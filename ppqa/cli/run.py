@@ -1,0 +1,118 @@
+"""`ppqa run`: the worker command. Checks its setup, then drains the queue with the engine.
+
+Order matters: the store is opened, the device checked and the model loaded BEFORE any job is
+claimed, so a wrong --model, a missing --gpu or an unreachable --db exits 2 with one line and
+leaves the queue untouched. Then `ppqa.worker.Worker` runs with a progress renderer from
+`run_progress.py` on stderr; `--json` prints the summary on stdout at the end.
+
+Signals: the first SIGINT or SIGTERM asks the worker to stop (finished answers are already
+saved; unfinished jobs are released for other workers at once); a second one exits at once,
+and the leases of that worker's jobs then expire as after a crash. Exit codes: 0 when the
+queue is drained or after SIGTERM, 130 after SIGINT, 1 when the engine keeps failing, 2 for bad
+options or setup.
+"""
+
+import os
+import signal
+from typing import Annotated
+
+import typer
+
+from ppqa.cli.common import JsonOption, fail, open_store, print_json, say
+
+app = typer.Typer()
+
+MODES = ("auto", "parallel", "stock", "cascade")
+
+EXAMPLES = """
+Examples:
+
+  ppqa run --once --device cpu
+
+  ppqa run --gpu 1 --follow --mode parallel --streams 32
+
+  ppqa --db postgresql+psycopg://ppqa@db-host/ppqa run --gpu 0 --follow --json
+"""
+
+
+@app.command(help="Answer queued jobs with a local model: a worker that drains the queue." + EXAMPLES)
+def run(
+    ctx: typer.Context,
+    gpu: Annotated[int | None, typer.Option(
+        "--gpu", min=0, show_default=False, envvar="PPQA_GPU",
+        help="GPU index to run on, e.g. --gpu 1. Default: GPU 0 if there is one, else the CPU.")] = None,
+    device: Annotated[str | None, typer.Option(
+        "--device", show_default=False,
+        help="torch device instead of --gpu: cpu, cuda or cuda:N, e.g. --device cpu.")] = None,
+    model: Annotated[str, typer.Option(
+        "--model", envvar="PPQA_MODEL",
+        help="Model name (smollm2, dummy:<preset>), Hugging Face folder or .gguf file, "
+             "e.g. --model ./SmolLM2-135M-Instruct.Q4_1.gguf.")] = "smollm2",
+    mode: Annotated[str, typer.Option(
+        help="Engine mode: auto (each job's own, else the engine's choice), parallel, stock or "
+             "cascade, e.g. --mode parallel.")] = "auto",
+    streams: Annotated[int | None, typer.Option(
+        min=1, show_default=False,
+        help="Questions per request in parallel mode (P), e.g. --streams 16. Default: the "
+             "engine's (32).")] = None,
+    max_jobs: Annotated[int, typer.Option(
+        min=1, help="Most jobs taken at once, over one or more documents, e.g. --max-jobs 4.")] = 16,
+    max_questions: Annotated[int, typer.Option(
+        min=1, help="Most unanswered questions taken at once (a bigger single job is still "
+                    "taken whole), e.g. --max-questions 256.")] = 512,
+    follow: Annotated[bool, typer.Option(
+        "--follow/--once",
+        help="--once (the default) drains what is queued and exits; --follow keeps waiting for "
+             "new jobs until stopped, e.g. a worker per GPU: ppqa run --gpu 0 --follow.")] = False,
+    lease_seconds: Annotated[float, typer.Option(
+        min=1.0, help="Lease of a claimed job, renewed every third of it while the worker lives; "
+                      "after a crash others take the job when it expires, e.g. "
+                      "--lease-seconds 30.")] = 60.0,
+    max_attempts: Annotated[int, typer.Option(
+        min=1, help="A job that fails (or whose worker dies) this many times is marked failed "
+                    "with its last error, e.g. --max-attempts 5.")] = 3,
+    json_out: JsonOption = False,
+) -> None:
+    from ppqa.worker import Worker, WorkerError, WorkerOptions
+    from ppqa.worker_report import waiting_questions
+    from ppqa.worker_setup import SetupError, load_engine, resolve_device
+
+    if mode not in MODES:
+        fail(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
+    db = open_store(ctx)  # an unreachable or corrupt store: exit 2 before anything loads
+    try:
+        device_name = resolve_device(gpu, device)
+        say(f"loading {model} on {device_name} ...")
+        engine = load_engine(model, device_name)
+    except SetupError as exc:
+        fail(str(exc))
+    options = WorkerOptions(model=model, device=device_name, mode=mode, streams=streams,
+                            max_jobs=max_jobs, max_questions=max_questions, follow=follow,
+                            lease_seconds=lease_seconds, max_attempts=max_attempts)
+    from ppqa.cli.run_progress import make_progress
+
+    progress = make_progress(lambda: waiting_questions(db, model))
+    worker = Worker(db, engine, options, progress)
+    _stop_on_signals(worker, progress)
+    try:
+        summary = worker.run()
+    except WorkerError as exc:
+        say(f"error: {exc}")
+        raise typer.Exit(1)
+    if json_out:
+        print_json(summary.to_dict())
+    if summary.stopped_by == "SIGINT":
+        raise typer.Exit(130)
+
+
+def _stop_on_signals(worker, progress) -> None:
+    def handle(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if worker.stopping:  # the second signal: leave now; the leases will simply expire
+            os._exit(128 + signum)
+        worker.request_stop(name)
+        progress.message(f"{name}: stopping - saving finished answers and releasing unfinished "
+                         "jobs (press Ctrl-C again to quit at once)")
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)

@@ -1,0 +1,184 @@
+"""The worker's bookkeeping: per-job progress in a cycle, speed reports, outcomes and the summary.
+
+`JobRun` follows one claimed job through a cycle (answers saved, tokens, errors, a lost lease);
+`job_report` turns it and the engine's `RunStats` into the `JobReport` stored by `finish_job`;
+`JobOutcome` is how each job ended, collected into the `WorkerSummary` that `ppqa run --json`
+prints. `ProgressSink` is what the worker tells whoever watches it (the base ignores it all).
+No torch, no terminal here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from ppqa.store import queue
+from ppqa.store.db import Database
+from ppqa.store.queue import ClaimedJob
+from ppqa.store.reports import JobReport
+
+
+@dataclass
+class JobRun:
+    claim: ClaimedJob
+    pending: set[int] = field(default_factory=set)  # question ids without a saved answer
+    answered: int = 0
+    prompt_tokens: int = 0  # as the engine counts them per question (document + question)
+    answer_tokens: int = 0
+    last_answer_at: float | None = None
+    error: str | None = None
+    permanent: bool = False  # retrying cannot help (the prompt does not fit the model)
+    lost: bool = False  # cancelled or taken over: not ours to finish
+    unsaved: list = field(default_factory=list)  # (question id, answer, exception)
+
+    def __post_init__(self) -> None:
+        self.pending = {q.id for q in self.claim.questions}
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending
+
+    def add_answer(self, question_id: int, tokens: int, prompt_tokens: int, at: float) -> None:
+        if question_id in self.pending:
+            self.pending.discard(question_id)
+            self.answered += 1
+            self.answer_tokens += tokens
+            self.prompt_tokens += prompt_tokens
+            self.last_answer_at = at
+
+    def save_unsaved(self, db: Database, worker_id: str) -> None:
+        """Second try for answers whose first write failed (a database briefly unreachable)."""
+        still = []
+        for question_id, answer, _ in self.unsaved:
+            tokens = len(answer.token_ids)
+            try:
+                queue.record_answer(db, question_id, answer.text, tokens,
+                                    answer.finish_reason or "stop", worker_id=worker_id)
+            except Exception as exc:  # noqa: BLE001 - the job is then released, not finished
+                still.append((question_id, answer, exc))
+                continue
+            self.add_answer(question_id, tokens, answer.prompt_tokens, time.perf_counter())
+        self.unsaved = still
+        if still and self.error is None:
+            self.error = f"{len(still)} answer(s) could not be saved: {still[-1][2]}"
+
+
+def job_report(run: JobRun, cycle: list[JobRun], stats, cycle_start: float, options,
+               mode: str) -> JobReport:
+    """The speed report of one job's run. Wall time is the job's own (cycle start to its last
+    answer); prefill/decode seconds and prompt tokens of a batch shared by several jobs are split
+    between them by their share of prompt and answer tokens, so the rows of a cycle add up."""
+    end = run.last_answer_at or time.perf_counter()
+    wall = max(end - cycle_start, 1e-9)
+    prompt_tokens, prefill, decode = run.prompt_tokens, None, None
+    if stats is not None:
+        prompt_share = _share(run.prompt_tokens, sum(r.prompt_tokens for r in cycle))
+        answer_share = _share(run.answer_tokens, sum(r.answer_tokens for r in cycle))
+        prompt_tokens = round(stats.prompt_tokens * prompt_share)
+        prefill = stats.prefill_s * prompt_share
+        decode = stats.decode_s * answer_share
+    return JobReport(
+        device=options.device, model=options.model,
+        mode=getattr(stats, "mode", None) or mode,
+        wall_seconds=wall, questions=run.answered, prompt_tokens=prompt_tokens,
+        answer_tokens=run.answer_tokens,
+        streams=getattr(stats, "streams", None) or None,
+        batch_size=getattr(stats, "max_batch_requests", None) or None,
+        prefill_seconds=prefill, decode_seconds=decode,
+        peak_memory_bytes=getattr(stats, "peak_memory_bytes", None))
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
+
+
+@dataclass
+class JobOutcome:
+    job_id: int
+    document_id: int
+    document: str
+    status: str  # done | queued (to retry) | failed | released | lost | cancelled
+    answered: int  # questions answered in this run
+    questions: int  # all of the job's questions
+    answer_tokens: int = 0  # generated in this run
+    error: str | None = None
+    report: dict | None = None
+
+    @classmethod
+    def of(cls, run: JobRun, status: str, *, error: str | None = None,
+           report: JobReport | None = None) -> JobOutcome:
+        return cls(run.claim.job_id, run.claim.document_id, run.claim.document_name, status,
+                   run.answered, run.claim.question_count, run.answer_tokens, error,
+                   report.to_dict() if report else None)
+
+
+@dataclass
+class WorkerSummary:
+    worker_id: str
+    model: str
+    device: str
+    jobs: list[JobOutcome] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    stopped_by: str | None = None
+    last_error: str | None = None
+
+    def add(self, outcome: JobOutcome) -> None:
+        self.jobs.append(outcome)
+
+    def count(self, status: str) -> int:
+        return sum(1 for j in self.jobs if j.status == status)
+
+    @property
+    def questions(self) -> int:
+        return sum(j.answered for j in self.jobs)
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(j.answer_tokens for j in self.jobs)
+
+    def to_dict(self) -> dict:
+        wall = self.wall_seconds
+        return {
+            "worker": self.worker_id, "model": self.model, "device": self.device,
+            "jobs_done": self.count("done"), "jobs_failed": self.count("failed"),
+            "jobs_retried": self.count("queued"), "jobs_released": self.count("released"),
+            "questions_answered": self.questions, "answer_tokens": self.answer_tokens,
+            "wall_seconds": round(wall, 3),
+            "questions_per_second": round(self.questions / wall, 3) if wall > 0 else 0.0,
+            "tokens_per_second": round(self.answer_tokens / wall, 3) if wall > 0 else 0.0,
+            "stopped_by": self.stopped_by, "jobs": [asdict(j) for j in self.jobs],
+        }
+
+
+class ProgressSink:
+    """What a worker reports while it runs; subclasses render it (see `ppqa/cli/run_progress.py`)."""
+
+    def started(self, options) -> None: ...
+
+    def claimed(self, claims: list[ClaimedJob]) -> None: ...
+
+    def answered(self, claim: ClaimedJob, answer_tokens: int) -> None: ...
+
+    def settled(self, outcome: JobOutcome) -> None: ...
+
+    def waiting(self) -> None: ...
+
+    def message(self, text: str) -> None: ...
+
+    def finished(self, summary: WorkerSummary) -> None: ...
+
+
+def waiting_questions(db: Database, model: str | None = None) -> int:
+    """Unanswered questions of queued jobs (that this worker's model may take): the part of
+    the queue not yet claimed by anyone, for the progress total."""
+    from sqlalchemy import func, or_, select
+
+    from ppqa.store.models import QUEUED, Answer, Job, Question
+
+    stmt = (select(func.count(Question.id)).join(Job, Job.id == Question.job_id)
+            .outerjoin(Answer, Answer.question_id == Question.id)
+            .where(Job.status == QUEUED, Answer.id.is_(None)))
+    if model is not None:
+        stmt = stmt.where(or_(Job.model.is_(None), Job.model == model))
+    with db.read() as conn:
+        return int(conn.execute(stmt).scalar_one())

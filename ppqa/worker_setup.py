@@ -1,0 +1,80 @@
+"""Checks `ppqa run` makes before it claims any job: the device exists and works, the model loads.
+
+`resolve_device(gpu, device)` turns `--gpu N` / `--device D` into a torch device string (the GPU
+when there is one, else the CPU) and `load_engine(model, device)` builds the Engine once per
+worker. Each failure raises `SetupError` with one line for the terminal, so that a wrong model
+name or a missing GPU is reported before a lease is taken. torch is imported here, never at
+the CLI's import time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+
+class SetupError(RuntimeError):
+    """The worker cannot start: a bad device or a model that does not load (one line)."""
+
+
+def default_worker_id() -> str:
+    """host:pid plus a short random tag, so that a restarted worker with a reused pid (a
+    container) never mistakes its predecessor's leases for its own."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def resolve_device(gpu: int | None = None, device: str | None = None) -> str:
+    """'cpu' or 'cuda:N', checked to exist and to run a tiny operation."""
+    import torch
+
+    if gpu is not None and device is not None:
+        raise SetupError("give --gpu N or --device, not both")
+    if gpu is not None:
+        if gpu < 0:
+            raise SetupError(f"--gpu must be a GPU index >= 0, got {gpu}")
+        device = f"cuda:{gpu}"
+    if device is None:
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise SetupError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise SetupError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise SetupError(f"cannot use {device}: no CUDA GPU is available here (use --device cpu)")
+    count = torch.cuda.device_count()
+    index = 0 if dev.index is None else dev.index
+    if index >= count:
+        raise SetupError(f"there is no GPU {index}: this machine has {count} "
+                         f"(indices 0 to {count - 1})")
+    try:  # a GPU that exists can still be unusable (busy in exclusive mode, broken driver)
+        torch.ones(1, device=f"cuda:{index}").add_(1)
+        torch.cuda.synchronize(index)
+    except Exception as exc:  # noqa: BLE001 - any failure means the same thing here
+        raise SetupError(f"GPU {index} is not usable: {_first_line(exc)}") from None
+    return f"cuda:{index}"
+
+
+def load_engine(model: str, device: str, **engine_kwargs):
+    """The Engine for `model` on `device`, or SetupError naming the model and the reason."""
+    if not model or not model.strip():
+        raise SetupError("--model must be a model name, a Hugging Face folder or a .gguf file")
+    try:
+        from ppqa import Engine
+    except ImportError as exc:
+        raise SetupError(f"the inference engine is not available: {_first_line(exc)}") from None
+    try:
+        return Engine(model, device=device, **engine_kwargs)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line for the terminal, whatever went wrong
+        raise SetupError(f"cannot load model {model!r} on {device}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
