@@ -2,23 +2,26 @@
 
 Open it with `open_db(location)`; add work with `jobs.ingest`; the worker drains it through
 `queue` (claim, heartbeat, record_answer, finish/fail/release); the CLI reads it through
-`views`, `reports` and `export`. Nothing here imports torch.
+`views`, `reports` and `export`. Nothing here imports torch. Names below load on first use, so
+that `ppqa --help` and the error classes do not pay for importing SQLAlchemy.
 """
 
-from ppqa.store.db import Database, open_db, ppqa_home, resolve_url
-from ppqa.store.errors import DatabaseUnavailable, InputError, StoreError
-from ppqa.store.jobs import IngestRequest, IngestResult, cancel_job, ingest, retry_job
-from ppqa.store.params import MODES, GenerationParams
-from ppqa.store.queue import (ClaimedJob, ClaimedQuestion, claim_jobs, fail_job, finish_job,
-                              heartbeat, record_answer, release_jobs, requeue_expired)
-from ppqa.store.reports import JobReport, list_reports
+import importlib
 
-__all__ = [
-    "Database", "open_db", "ppqa_home", "resolve_url",
-    "DatabaseUnavailable", "InputError", "StoreError",
-    "IngestRequest", "IngestResult", "cancel_job", "ingest", "retry_job",
-    "MODES", "GenerationParams",
-    "ClaimedJob", "ClaimedQuestion", "claim_jobs", "fail_job", "finish_job", "heartbeat",
-    "record_answer", "release_jobs", "requeue_expired",
-    "JobReport", "list_reports",
-]
+_EXPORTS = {
+    "db": ("Database", "open_db", "ppqa_home", "resolve_url"),
+    "errors": ("DatabaseUnavailable", "InputError", "StoreError"),
+    "jobs": ("IngestRequest", "IngestResult", "cancel_job", "ingest", "retry_job"),
+    "params": ("MODES", "GenerationParams"),
+    "queue": ("ClaimedJob", "ClaimedQuestion", "claim_jobs", "fail_job", "finish_job",
+              "heartbeat", "record_answer", "release_jobs", "requeue_expired"),
+    "reports": ("JobReport", "list_reports"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"ppqa.store.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'ppqa.store' has no attribute {name!r}")

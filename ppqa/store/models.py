@@ -23,8 +23,8 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
-JOB_STATUSES = (QUEUED, RUNNING, DONE, FAILED, CANCELLED)
+from ppqa.store.status import (CANCELLED, DONE, FAILED, JOB_STATUSES, QUEUED,  # noqa: F401
+                               RUNNING)
 
 
 class Base(DeclarativeBase):

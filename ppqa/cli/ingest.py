@@ -1,0 +1,116 @@
+"""`ppqa ingest`: queue a document and its questions (or a batch of them) as jobs.
+
+Reads and checks every file and option first (`ppqa.store.inputs`, `GenerationParams`), then
+opens the store and writes all jobs in one transaction (`ppqa.store.jobs.ingest`): bad input
+exits 2 with the store untouched. Job ids go to stdout, one a line (or JSON with --json).
+"""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ppqa.cli.common import JsonOption, open_store, print_json, say
+from ppqa.store.errors import InputError
+from ppqa.store.inputs import read_batch, read_document, read_questions, resolve_template
+from ppqa.store.params import MODES, GenerationParams
+
+app = typer.Typer()
+
+EXAMPLES = """
+
+Examples:
+
+  ppqa ingest examples/harbor.txt examples/questions.txt
+
+  ppqa ingest report.txt questions.csv --name q3-report --max-new-tokens 64 --priority 5
+
+  cat notes.txt | ppqa ingest - questions.jsonl --json
+
+  ppqa ingest --batch many.jsonl
+"""
+
+
+@app.command(help="Queue a document and its questions as a job." + EXAMPLES)
+def ingest(
+    ctx: typer.Context,
+    document: Annotated[str | None, typer.Argument(
+        help="The document: a UTF-8 text file, or - for standard input.", show_default=False)] = None,
+    questions: Annotated[str | None, typer.Argument(
+        help="Questions: .txt (one a line; blank lines and # comments skipped), .jsonl "
+             '({"question": ..., "id": ...} a line) or .csv (a question column, optional id).',
+        show_default=False)] = None,
+    batch: Annotated[Path | None, typer.Option(
+        "--batch", help='Many documents at once: a .jsonl file, one {"document": "..." | '
+                        '"document_path": "...", "questions": [...], "name": ..., "id": ...} a '
+                        "line; a line may also set template, max_new_tokens, temperature, top_p, "
+                        "seed, mode, model or priority.", show_default=False)] = None,
+    name: Annotated[str | None, typer.Option(
+        help="Document name shown in status and exports, e.g. --name q3-report. "
+             "Default: the file name without extension.", show_default=False)] = None,
+    template: Annotated[str, typer.Option(
+        help="Prompt template: a built-in name (qa, multiple_choice, label, judge) or a path "
+             "to a .jinja file, e.g. --template label.")] = "qa",
+    model: Annotated[str | None, typer.Option(
+        help="Model this job needs, e.g. --model smollm2; only workers running it take the "
+             "job. Default: any worker's model.", show_default=False)] = None,
+    mode: Annotated[str, typer.Option(
+        help=f"Engine mode: {', '.join(MODES)}, e.g. --mode parallel.")] = "auto",
+    max_new_tokens: Annotated[int, typer.Option(
+        help="Most tokens generated per answer, e.g. --max-new-tokens 64.")] = 128,
+    temperature: Annotated[float, typer.Option(
+        help="Sampling temperature; 0 is greedy, e.g. --temperature 0.7.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass, e.g. --top-p 0.9.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed (per question), e.g. --seed 7.")] = 0,
+    priority: Annotated[int, typer.Option(
+        help="Higher runs first, e.g. --priority 10.")] = 0,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Queue the job even if an identical one is already in the store.")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    from ppqa.store.jobs import ingest as ingest_jobs  # sqlalchemy: only when ingesting
+
+    options = {"template": template, "max_new_tokens": max_new_tokens,
+               "temperature": temperature, "top_p": top_p, "seed": seed, "mode": mode,
+               "model": model, "priority": priority}
+    if batch is not None:
+        if document is not None or questions is not None:
+            raise InputError("give either DOCUMENT QUESTIONS or --batch FILE, not both")
+        if name is not None:
+            raise InputError("--name applies to one document; in a batch give each line a name")
+        requests = [_request(item.document_text, item.name, item.questions,
+                             {**options, **item.overrides}, item.where)
+                    for item in read_batch(batch)]
+    else:
+        if document is None or questions is None:
+            raise InputError("give a DOCUMENT and a QUESTIONS file (or --batch FILE); "
+                             "see 'ppqa ingest --help'")
+        text, default_name = read_document(document)
+        requests = [_request(text, name or default_name,
+                             read_questions(questions), options, "")]
+    results = ingest_jobs(open_store(ctx), requests, force=force)
+    if json_out:
+        print_json([r.to_dict() for r in results] if batch is not None else results[0].to_dict())
+    else:
+        for r in results:
+            print(r.job_id)
+    for r in results:
+        stored = "new" if r.document_is_new else "already stored"
+        say(f"queued job {r.job_id}: {r.question_count} questions about "
+            f"{r.document_name!r} (document {r.document_id}, {stored})")
+
+
+def _request(text, name, questions, options: dict, where: str):
+    """An IngestRequest from options; bad values become InputError naming `where`."""
+    from ppqa.store.jobs import IngestRequest
+
+    opts = dict(options)
+    priority = opts.pop("priority")
+    try:
+        opts["template"] = resolve_template(opts["template"])
+        params = GenerationParams(**opts)
+        return IngestRequest(text, name, questions, params, priority, where)
+    except InputError as exc:
+        raise InputError(f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc))
+    except TypeError as exc:  # a batch line with a value of the wrong kind
+        raise InputError(f"{where}: {exc}")

@@ -1,0 +1,58 @@
+"""`ppqa jobs` (list jobs) and `ppqa show JOB` (one job with its questions, answers, reports)."""
+
+from typing import Annotated
+
+import typer
+
+from ppqa.cli.common import JsonOption, open_store, print_json, say
+from ppqa.cli.render import console, job_summary, jobs_table, questions_table, reports_table
+from ppqa.store.status import JOB_STATUSES
+
+app = typer.Typer()
+
+
+@app.command(help="List jobs, newest first.\n\nExamples:\n\n  ppqa jobs\n\n"
+                  "  ppqa jobs --status failed --json")
+def jobs(
+    ctx: typer.Context,
+    status: Annotated[str | None, typer.Option(
+        help=f"Only jobs of this status ({', '.join(JOB_STATUSES)}), e.g. --status failed.",
+        show_default=False)] = None,
+    limit: Annotated[int | None, typer.Option(
+        help="At most this many jobs, e.g. --limit 20.", show_default=False)] = None,
+    json_out: JsonOption = False,
+) -> None:
+    from ppqa.store.errors import InputError
+    from ppqa.store.views import list_jobs
+
+    if limit is not None and limit < 1:
+        raise InputError(f"--limit must be at least 1, got {limit}")
+    if status is not None and status not in JOB_STATUSES:
+        raise InputError(f"unknown status {status!r}; choose one of {', '.join(JOB_STATUSES)}")
+    rows = list_jobs(open_store(ctx), status=status, limit=limit)
+    if json_out:
+        print_json(rows)
+    elif not rows:
+        say("no jobs" + (f" with status {status}" if status else ""))
+    else:
+        console().print(jobs_table(rows))
+
+
+@app.command(help="Show one job: its parameters, questions, answers so far and speed "
+                  "reports.\n\nExamples:\n\n  ppqa show 3\n\n  ppqa show 3 --json")
+def show(
+    ctx: typer.Context,
+    job: Annotated[int, typer.Argument(help="The job id, as printed by ppqa ingest.")],
+    json_out: JsonOption = False,
+) -> None:
+    from ppqa.store.views import job_detail
+
+    detail = job_detail(open_store(ctx), job)
+    if json_out:
+        print_json(detail)
+        return
+    out = console()
+    out.print(job_summary(detail))
+    out.print(questions_table(detail["questions_detail"]))
+    if detail["reports"]:
+        out.print(reports_table(detail["reports"]))

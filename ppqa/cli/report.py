@@ -1,0 +1,34 @@
+"""`ppqa report`: the per-run speed reports the worker writes (`ppqa.store.reports`)."""
+
+from typing import Annotated
+
+import typer
+
+from ppqa.cli.common import JsonOption, open_store, print_json, say
+from ppqa.cli.render import console, reports_table
+
+app = typer.Typer()
+
+
+@app.command(help="Show speed reports: one row per job run (wall, prefill and decode seconds, "
+                  "tokens/s, questions/s, peak memory).\n\nExamples:\n\n  ppqa report\n\n"
+                  "  ppqa report --job 3 --json")
+def report(
+    ctx: typer.Context,
+    job: Annotated[int | None, typer.Option(
+        help="Only this job's reports, e.g. --job 3.", show_default=False)] = None,
+    json_out: JsonOption = False,
+) -> None:
+    from ppqa.store.reports import list_reports
+    from ppqa.store.views import job_detail
+
+    db = open_store(ctx)
+    if job is not None:
+        job_detail(db, job)  # refuses an unknown job id with a clear error
+    rows = list_reports(db, job)
+    if json_out:
+        print_json(rows)
+    elif not rows:
+        say("no reports yet: a report is written when a worker finishes a job (ppqa run)")
+    else:
+        console().print(reports_table(rows))
