@@ -1,0 +1,190 @@
+"""GGUF loading: every supported quant type, the q/k un-permutation, metadata, bad files.
+
+Each test writes a tiny Llama GGUF with the `gguf` package's own writer (and quantizer), loads it
+with our loader, and compares with the original float weights and with transformers' GGUF loader,
+an implementation no one here wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ppqa.engine.loader import ModelLoadError, load_model
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 96, 4, 2, 2
+HEAD_DIM = HIDDEN // HEADS
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "Ġ t", "Ġt he"]
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _vocab() -> list[str]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return SPECIALS + sorted(ByteLevel.alphabet()) + ["he", "Ġt", "Ġthe"]
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (the transform our loader must undo)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def original_weights(vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (vocab_size, HIDDEN), "model.norm.weight": (HIDDEN,),
+              "lm_head.weight": (vocab_size, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (HIDDEN,),
+                       p + "post_attention_layernorm.weight": (HIDDEN,),
+                       p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+                       p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                       p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                       p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+                       p + "mlp.gate_proj.weight": (FFN, HIDDEN), p + "mlp.up_proj.weight": (FFN, HIDDEN),
+                       p + "mlp.down_proj.weight": (HIDDEN, FFN)})
+    return {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith("norm.weight")
+                else 0.2 * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
+
+
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
+              "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+              "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GGUF_NAMES:
+        return GGUF_NAMES[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{GGUF_NAMES[rest]}"
+
+
+def write_tiny_gguf(path: Path, qtype, weights: dict[str, np.ndarray], arch: str = "llama") -> Path:
+    vocab = _vocab()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(50000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(vocab)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHAT)
+    for name, array in weights.items():
+        if name.endswith("q_proj.weight"):
+            array = _llama_cpp_permute(array, HEADS)
+        elif name.endswith("k_proj.weight"):
+            array = _llama_cpp_permute(array, KV_HEADS)
+        if array.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(gguf_name(name), array)
+        elif qtype == Q.F16:
+            w.add_tensor(gguf_name(name), array.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# Worst error of each type relative to the tensor's largest magnitude (4-bit types: scale/2 per
+# block of 32; 8-bit: scale/2 of 127 levels; BF16: 8 mantissa bits).
+TOLERANCE = {Q.F32: 1e-7, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2, Q.Q4_0: 0.1, Q.Q4_1: 0.1}
+
+
+@pytest.mark.parametrize("qtype", list(TOLERANCE), ids=lambda q: q.name)
+def test_quant_types_dequantize_and_unpermute(tmp_path, qtype):
+    originals = original_weights(len(_vocab()))
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype.name}.gguf", qtype, originals)
+    model = load_model(str(path))
+    assert qtype.name in model.source
+    loaded = dict(model.weights)
+    assert set(loaded) == set(originals)
+    for name, original in originals.items():
+        got = loaded[name]
+        assert got.dtype == torch.float32 and tuple(got.shape) == original.shape, name
+        err = (got - torch.from_numpy(original)).abs().max().item()
+        # q/k rows back in HF order, so the error stays at quantization level.
+        assert err <= TOLERANCE[qtype] * np.abs(original).max() + 1e-7, (name, err)
+
+
+def test_matches_transformers_gguf_loader(tmp_path):
+    """Transformers' GGUF reader (its own dequantizer and un-permute) gives the same tensors."""
+    import transformers
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", Q.Q4_1, original_weights(len(_vocab()), seed=1))
+    ours = dict(load_model(str(path)).weights)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                            dtype=torch.float32).state_dict()
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, ref[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_config_and_tokenizer_from_metadata(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", Q.Q8_0, original_weights(len(_vocab())))
+    model = load_model(str(path), dtype=torch.bfloat16)
+    c = model.config
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+            c.head_dim) == (LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM)
+    assert c.rope_theta == 50000.0 and c.max_position_embeddings == 512 and not c.tie_word_embeddings
+    assert c.vocab_size == len(_vocab()) and abs(c.rms_norm_eps - 1e-6) < 1e-12
+    assert {w.dtype for _, w in model.weights} == {torch.bfloat16}
+    tok = model.tokenizer
+    assert tok.eos_token_ids == [2] == c.eos_token_ids and tok.chat_template == CHAT
+    assert tok.decode(tok.encode("the hello")) == "the hello"
+    assert _vocab().index("Ġthe") in tok.encode("so the")  # merges from the file are used
+    prompt = tok.prompt("qa", "Some text.", ["Why?"])
+    assert tok.hf.decode(prompt.prefix_ids).startswith("<|im_start|>user\n")
+
+
+def test_tied_embeddings_when_output_is_absent(tmp_path):
+    weights = original_weights(len(_vocab()))
+    del weights["lm_head.weight"]
+    model = load_model(str(write_tiny_gguf(tmp_path / "tied.gguf", Q.F16, weights)))
+    assert model.config.tie_word_embeddings and "lm_head.weight" not in dict(model.weights)
+
+
+def test_corrupt_and_truncated_files(tmp_path):
+    good = write_tiny_gguf(tmp_path / "good.gguf", Q.Q4_0, original_weights(len(_vocab())))
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ModelLoadError, match="truncated.gguf.* not a readable GGUF file"):
+        list(load_model(str(truncated)).weights)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"NOPE" + data[4:200])
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        load_model(str(garbage))
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="empty.gguf"):
+        load_model(str(empty))
+
+
+def test_unsupported_architecture_and_missing_tensors(tmp_path):
+    weights = original_weights(len(_vocab()))
+    path = write_tiny_gguf(tmp_path / "gpt2.gguf", Q.F32, weights, arch="gpt2")
+    with pytest.raises(ModelLoadError, match="architecture 'gpt2' is not supported"):
+        load_model(str(path))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    path = write_tiny_gguf(tmp_path / "holes.gguf", Q.F32, weights)
+    with pytest.raises(ModelLoadError, match="missing model.layers.1.mlp.up_proj.weight"):
+        load_model(str(path))
