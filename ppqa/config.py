@@ -1,0 +1,100 @@
+"""User-facing configuration: `EngineConfig` (how the engine runs) and `SamplingParams` (how one
+question is answered).
+
+Both are plain dataclasses checked in `__post_init__`; this module never imports torch, so the CLI
+and the job store can build and validate them cheaply. The engine (`engine/engine.py`) resolves
+"auto" values (device, dtype, attention backend) when it starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def dtype_name(dtype: object) -> str | None:
+    """'float32' for torch.float32 or 'float32'/'fp32'/'bf16'...; None stays None (engine default)."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.").lower()
+    name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "half": "float16"}.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or None for the device's "
+                         f"default), got {dtype!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate one answer. temperature 0 is greedy; seed makes sampling reproducible."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    seed: int | None = None  # None: drawn from the engine's seeded generator
+    stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an integer >= 1, "
+                             f"got {self.max_new_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"SamplingParams.seed must be None or an integer >= 0, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Fields left at None/"auto" are resolved from the device."""
+
+    device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
+    dtype: str | None = None  # None: bfloat16 on a GPU, float32 on the CPU
+    attention_backend: str = "auto"  # "auto" = triton on CUDA, torch otherwise
+    kv_token_budget: int = 65536  # KV pool size in tokens on the CPU
+    mem_fraction: float = 0.85  # GPU: fraction of the free memory (after weights) for the KV pool
+    max_batch_requests: int = 256  # requests decoded together (rows of the req_to_token table)
+    default_streams: int = 32  # P when a parallel run is given streams=None
+    cuda_graphs: bool = False  # capture decode steps as CUDA graphs (GPU; a later issue)
+    seed: int = 0  # dummy weights, and the seeds of sampled questions that give none
+    max_prefill_tokens: int = 8192  # tokens in one prefill forward (document chunks, question batches)
+    max_row_tokens: int | None = None  # req_to_token row length; None: min(pool, 4 x context)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "device", str(self.device))
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig.attention_backend must be one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if not isinstance(self.kv_token_budget, int) or self.kv_token_budget < 16:
+            raise ValueError(f"EngineConfig.kv_token_budget must be an integer >= 16 tokens, "
+                             f"got {self.kv_token_budget!r}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"EngineConfig.mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
+        for name in ("max_batch_requests", "default_streams", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_row_tokens is not None and (not isinstance(self.max_row_tokens, int)
+                                                or self.max_row_tokens < 16):
+            raise ValueError(f"EngineConfig.max_row_tokens must be None or an integer >= 16, "
+                             f"got {self.max_row_tokens!r}")

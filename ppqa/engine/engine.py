@@ -1,0 +1,240 @@
+"""`Engine`: load a model, then answer many questions about documents in one of three modes.
+
+    Engine(spec) -> loader (config, weights, tokenizer) -> model on the device, KV pool,
+    req_to_token table, document cache, attention backend, runner.
+    run(requests) -> prompts per (template, document) -> checks (context, pool) -> requests of
+    P streams (parallel) or one question each (stock, cascade) -> scheduler loop:
+        admit -> prefill new documents (once per engine) -> prefill questions -> decode steps,
+    each step: runner -> sampler -> scheduler.postprocess -> answers handed to `on_answer`.
+`answer(document, questions)` is `run` for one document, returning answers in question order.
+The document cache outlives `run` calls, so a document is prefilled once per engine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ppqa.config import EngineConfig, SamplingParams
+from ppqa.engine.engine_setup import EngineParts, build_parts
+from ppqa.engine.outputs import MODES, Answer, PromptTooLongError, QuestionRequest, RunStats
+from ppqa.engine.request import Request, Stream
+from ppqa.engine.sampling import sample
+from ppqa.engine.scheduler import Scheduler, pack_streams
+
+
+def choose_mode(mode: str, questions_per_document: Sequence[int]) -> str:
+    """The mode a run uses; "auto": parallel when some document has >= 2 questions, else stock."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    return "parallel" if max(questions_per_document, default=0) >= 2 else "stock"
+
+
+class Engine:
+    def __init__(self, model: str = "smollm2", *, device: str | None = None, dtype: object = None,
+                 config: EngineConfig | None = None) -> None:
+        from ppqa.engine.loader import load_model  # the loader pulls tokenizers etc.; import late
+
+        parts = build_parts(config, device, dtype, lambda dev, dt, seed: load_model(
+            model, device=dev, dtype=dt, seed=seed), model_name=model)
+        self._adopt(parts)
+
+    @classmethod
+    def from_loaded(cls, loaded, *, device: str | None = None, dtype: object = None,
+                    config: EngineConfig | None = None, model_name: str | None = None) -> Engine:
+        """An engine from a `LoadedModel` (config, weights, tokenizer) built by the caller."""
+        engine = cls.__new__(cls)
+        engine._adopt(build_parts(config, device, dtype, lambda dev, dt, seed: loaded,
+                                  model_name=model_name or loaded.config.name))
+        return engine
+
+    def _adopt(self, parts: EngineParts) -> None:
+        self._parts = parts
+        self.model_name = parts.model_name
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.config = parts.config
+        self.model_config = parts.model.config
+        self.tokenizer = parts.tokenizer
+        self._seeds = random.Random(self.config.seed)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens one request (document + questions + answers) may occupy at most."""
+        return min(self._parts.pool.allocator.capacity, self._parts.table.max_row_len)
+
+    # ---- public API --------------------------------------------------------------------------
+
+    def answer(self, document: str, questions: Sequence[str], mode: str = "auto",
+               sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+               streams: int | None = None, template: str = "qa") -> list[Answer]:
+        """Answers to `questions` about `document`, in question order."""
+        if isinstance(questions, str):
+            raise TypeError("questions must be a sequence of strings, not one string")
+        if len(questions) == 0:
+            raise ValueError("no questions: give at least one question about the document")
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(questions)
+        else:
+            params = list(sampling)
+            if len(params) != len(questions):
+                raise ValueError(f"{len(params)} SamplingParams for {len(questions)} questions")
+        requests = [QuestionRequest(i, document, q, p, template)
+                    for i, (q, p) in enumerate(zip(questions, params))]
+        answers: dict[int, Answer] = {}
+
+        def keep(request: QuestionRequest, answer: Answer) -> None:
+            answer.question_index = request.key
+            answers[request.key] = answer
+
+        self.run(requests, mode=mode, streams=streams, on_answer=keep)
+        return [answers[i] for i in range(len(questions))]
+
+    def run(self, requests: Sequence[QuestionRequest], *, mode: str = "auto",
+            streams: int | None = None,
+            on_answer: Callable[[QuestionRequest, Answer], None] | None = None,
+            on_error: Callable[[QuestionRequest, Exception], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> RunStats:
+        """Answer many questions (any documents); answers go to `on_answer` as they finish.
+
+        A question that cannot fit goes to `on_error` (raised if there is none). When
+        `should_stop()` turns true, no new work starts and unfinished questions are dropped.
+        """
+        started = time.perf_counter()
+        choose_mode(mode, [])  # reject an unknown mode before any work
+        if streams is not None and (not isinstance(streams, int) or streams < 1):
+            raise ValueError(f"streams must be None or an integer >= 1, got {streams!r}")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        stats = RunStats()
+        jobs = self._prepare(requests, on_error, stats)
+        counts = [len(job_streams) for _, job_streams in jobs]
+        stats.mode = choose_mode(mode, counts)
+        if stats.mode == "parallel":
+            stats.streams = min(streams or self.config.default_streams, max(counts, default=1))
+        parts = self._parts
+        sched = Scheduler(parts.pool, parts.table, parts.docs,
+                          max_prefill_tokens=self.config.max_prefill_tokens,
+                          max_batch_requests=self.config.max_batch_requests)
+        for doc_ids, job_streams in jobs:
+            for req in self._requests(doc_ids, job_streams, stats.mode, stats.streams):
+                sched.add(req)
+        try:
+            self._loop(sched, stats, started, on_answer, should_stop)
+        finally:
+            sched.abort_all()  # frees whatever an early stop or an error left behind
+        if self.device.type == "cuda":
+            stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
+        stats.wall_s = time.perf_counter() - started
+        return stats
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _prepare(self, requests: Sequence[QuestionRequest], on_error, stats: RunStats
+                 ) -> list[tuple[list[int], list[Stream]]]:
+        """Tokenize per (template, document) and check every question fits; one job per document."""
+        groups: dict[tuple[str, str], list[QuestionRequest]] = {}
+        for req in requests:
+            groups.setdefault((req.template, req.document), []).append(req)
+
+        def reject(req: QuestionRequest, error: Exception) -> None:
+            if on_error is None:
+                raise error
+            stats.errors += 1
+            on_error(req, error)
+
+        jobs = []
+        for (template, document), reqs in groups.items():
+            try:
+                prompt = self.tokenizer.prompt(template, document, [r.question for r in reqs])
+            except ValueError as error:
+                for req in reqs:
+                    reject(req, error)
+                continue
+            doc_ids, streams = list(prompt.prefix_ids), []
+            for req, suffix in zip(reqs, prompt.suffix_ids):
+                error = self._fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
+                if error is not None:
+                    reject(req, error)
+                    continue
+                seed = req.sampling.seed if req.sampling.seed is not None else self._seeds.getrandbits(62)
+                streams.append(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
+                                      seed=seed, prompt_tokens=len(doc_ids) + len(suffix)))
+            if streams:
+                jobs.append((doc_ids, streams))
+        return jobs
+
+    def _fit_error(self, doc: int, question: int, max_new: int) -> PromptTooLongError | None:
+        need = doc + question + max_new
+        what = (f"document ({doc} tokens) + question ({question} tokens) + max_new_tokens "
+                f"({max_new}) = {need} tokens")
+        context = self.model_config.max_position_embeddings
+        if need > context:
+            return PromptTooLongError(f"{what} exceeds the model's context of {context} tokens",
+                                      needed=need, available=context)
+        if need > self.kv_capacity:
+            return PromptTooLongError(
+                f"{what} do not fit the KV pool, which holds {self.kv_capacity} tokens per request; "
+                f"raise EngineConfig.kv_token_budget (CPU) or mem_fraction (GPU)",
+                needed=need, available=self.kv_capacity)
+        return None
+
+    def _requests(self, doc_ids: list[int], streams: list[Stream], mode: str,
+                  width: int) -> list[Request]:
+        if mode != "parallel":
+            return [Request(doc_ids, [s], width=1) for s in streams]
+        sizes = [len(s.suffix_ids) + s.sampling.max_new_tokens for s in streams]
+        return [Request(doc_ids, [streams[i] for i in group], width=width)
+                for group in pack_streams(sizes, width, len(doc_ids), self.kv_capacity)]
+
+    def _loop(self, sched: Scheduler, stats: RunStats, started: float, on_answer,
+              should_stop) -> None:
+        runner, tokenizer = self._parts.runner, self.tokenizer
+        eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
+        cascade = stats.mode == "cascade"
+        kind = "extend" if stats.mode == "parallel" else "decode"
+
+        def step(requests: list[Request], inputs, prefill: bool) -> None:
+            logits = runner.run(inputs)
+            tokens = sample(logits, sched.sampling_batch(requests, prefill)).tolist()
+            now = time.perf_counter()
+            stats.steps += 1
+            for stream in sched.postprocess(requests, tokens, prefill=prefill, eos_ids=eos,
+                                            decode=tokenizer.decode, now=now):
+                answer = Answer(stream.text, list(stream.output_ids), stream.finish_reason,
+                                stream.prompt_tokens, latency_s=now - started)
+                stats.questions += 1
+                stats.answer_tokens += len(answer.token_ids)
+                stats.prompt_tokens += answer.prompt_tokens
+                if on_answer is not None:
+                    on_answer(stream.key, answer)
+
+        while sched.has_work():
+            if should_stop is not None and should_stop():
+                stats.stopped = True
+                return
+            admitted = sched.admit()
+            if admitted:
+                begin = runner.synchronize()
+                for doc in sched.documents_to_prefill(admitted):
+                    for inputs in sched.document_steps(doc):
+                        runner.run(inputs)
+                        stats.steps += 1
+                    doc.ready = True
+                    stats.prefilled_tokens += doc.length
+                inputs = sched.prefill_step(admitted)
+                stats.prefilled_tokens += inputs.num_tokens
+                step(admitted, inputs, prefill=True)
+                stats.prefill_s += runner.synchronize() - begin
+            batch = sched.decode_batch(cascade)
+            if batch:
+                begin = runner.synchronize()
+                stats.max_batch_requests = max(stats.max_batch_requests, len(batch))
+                step(batch, sched.decode_step(batch, kind=kind, cascade=cascade), prefill=False)
+                stats.decode_s += runner.synchronize() - begin
+

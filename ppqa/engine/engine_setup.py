@@ -1,0 +1,114 @@
+"""Building an engine's parts: resolve device, dtype and backend, load the model, size the KV pool.
+
+`build_parts(config, device, dtype, load)` resolves the "auto"/None fields of `EngineConfig`, calls
+`load(device, dtype, seed)` for a `LoadedModel`, builds the model from its weight stream, then sizes
+the KV pool from the remaining memory (GPU: `mem_fraction` of what is free after the weights; CPU:
+`kv_token_budget` tokens), and creates the req_to_token table, the document cache, the attention
+backend (torch, or Triton imported lazily) and the runner. `Engine` keeps the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ppqa.config import EngineConfig
+from ppqa.engine.kv_cache import DocumentCache, KVPool, ReqToTokenTable
+from ppqa.engine.model.llama import LlamaModel, build_model
+from ppqa.engine.runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineParts:
+    model_name: str
+    config: EngineConfig  # with device, dtype and attention_backend resolved
+    device: torch.device
+    dtype: torch.dtype
+    model: LlamaModel
+    tokenizer: object
+    source: str
+    pool: KVPool
+    table: ReqToTokenTable
+    docs: DocumentCache
+    backend: object
+    runner: ModelRunner
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {name!r} (use 'cpu', 'cuda', 'cuda:N' or 'auto')") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but this torch has no CUDA device available")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _pool_slots(config: EngineConfig, device: torch.device, bytes_per_slot: int) -> int:
+    if device.type != "cuda":
+        return config.kv_token_budget + 1  # + the sink slot 0
+    torch.cuda.synchronize(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(2, int(free * config.mem_fraction) // bytes_per_slot)
+
+
+def _make_backend(name: str, device: torch.device, pool: KVPool, model: LlamaModel):
+    cfg = model.config
+    args = (pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton":
+            try:
+                import ppqa.engine.triton_backend  # noqa: F401
+            except ModuleNotFoundError as e:
+                if e.name != "ppqa.engine.triton_backend":
+                    raise
+                warnings.warn("ppqa.engine.triton_backend is not available; using the torch "
+                              "attention backend on the GPU", stacklevel=3)
+                name = "torch"
+    if name == "triton":
+        from ppqa.engine.triton_backend import TritonBackend
+
+        return name, TritonBackend(*args)
+    from ppqa.engine.torch_backend import TorchBackend
+
+    return name, TorchBackend(*args)
+
+
+def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
+                load: Callable[[torch.device, torch.dtype, int], object], *,
+                model_name: str) -> EngineParts:
+    config = config or EngineConfig()
+    overrides = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+    config = dataclasses.replace(config, **overrides)
+    dev = resolve_device(config.device)
+    dtype_name = config.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    torch_dtype = _DTYPES[dtype_name]
+
+    loaded = load(dev, torch_dtype, config.seed)
+    model = build_model(loaded.config, loaded.weights, device=dev, dtype=torch_dtype)
+    mc = model.config
+    num_slots = _pool_slots(config, dev, KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads,
+                                                               mc.head_dim, torch_dtype))
+    pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=torch_dtype,
+                  device=dev)
+    row_len = config.max_row_tokens or 4 * mc.max_position_embeddings
+    table = ReqToTokenTable(config.max_batch_requests, min(num_slots, row_len), dev)
+    backend_name, backend = _make_backend(config.attention_backend, dev, pool, model)
+    config = dataclasses.replace(config, device=str(dev), dtype=dtype_name,
+                                 attention_backend=backend_name)
+    return EngineParts(model_name=model_name, config=config, device=dev, dtype=torch_dtype,
+                       model=model, tokenizer=loaded.tokenizer,
+                       source=getattr(loaded, "source", model_name), pool=pool, table=table,
+                       docs=DocumentCache(pool.allocator), backend=backend,
+                       runner=ModelRunner(model, pool, table, backend, dev))

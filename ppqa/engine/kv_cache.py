@@ -1,0 +1,215 @@
+"""KV memory in layers: slot allocator -> KV pool tensors -> req_to_token rows -> document cache.
+
+- `SlotAllocator` (plain Python): free token slots as sorted runs, first fit, so documents and
+  request reservations come out contiguous whenever the pool is not fragmented. Slot 0 is never
+  handed out: it is the sink for padding and finished streams.
+- `KVPool`: one tensor holding K and V of every layer ([2, layers, slots, kv_heads, head_dim]),
+  with per-layer views `k_buffers[l]`/`v_buffers[l]`, and `slot_sid` (the stream id of every slot,
+  written by the runner before each forward, read by the attention backend).
+- `ReqToTokenTable`: rows of slot ids; a request's row starts with its document's slots (shared,
+  not copied). Row 0 is scratch: document prefill writes through it, and padded dummy requests
+  (CUDA graphs) point at it.
+- `DocumentCache`: a document's tokens are prefilled once; its slots are reference counted by the
+  requests that use it and the least recently used unused documents are evicted when a new
+  allocation does not fit. It outlives `Engine.run` calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SlotAllocator:
+    """Free slots [1, num_slots) kept as sorted (start, length) runs."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"a KV pool needs at least 2 slots (slot 0 is the sink), got {num_slots}")
+        self.num_slots = num_slots
+        self._runs: list[tuple[int, int]] = [(1, num_slots - 1)]
+        self.num_free = num_slots - 1
+
+    @property
+    def capacity(self) -> int:
+        """Slots that can ever be handed out (all but the sink)."""
+        return self.num_slots - 1
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n slots (int64, CPU): one contiguous run if any is long enough, else the first free ones."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        if n > self.num_free:
+            return None
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        for i, (start, length) in enumerate(self._runs):
+            if length >= n:
+                self._runs[i:i + 1] = [(start + n, length - n)] if length > n else []
+                self.num_free -= n
+                return torch.arange(start, start + n, dtype=torch.int64)
+        pieces, need = [], n
+        while need:
+            start, length = self._runs[0]
+            take = min(length, need)
+            pieces.append(torch.arange(start, start + take, dtype=torch.int64))
+            self._runs[0:1] = [(start + take, length - take)] if length > take else []
+            need -= take
+        self.num_free -= n
+        return torch.cat(pieces)
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        ordered = torch.sort(slots.to(device="cpu", dtype=torch.int64)).values
+        if int(ordered[0]) < 1 or int(ordered[-1]) >= self.num_slots:
+            raise ValueError(f"freeing slots outside [1, {self.num_slots}): "
+                             f"{int(ordered[0])}..{int(ordered[-1])}")
+        breaks = (torch.nonzero(ordered[1:] != ordered[:-1] + 1).flatten() + 1).tolist()
+        bounds = [0, *breaks, ordered.numel()]
+        new_runs = [(int(ordered[a]), b - a) for a, b in itertools.pairwise(bounds)]
+        merged: list[tuple[int, int]] = []
+        for start, length in sorted(self._runs + new_runs):
+            if merged and merged[-1][0] + merged[-1][1] > start:
+                raise ValueError(f"slot {start} freed twice (double free in the KV pool)")
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._runs = merged
+        self.num_free += int(ordered.numel())
+
+
+class KVPool:
+    """K/V buffers of every layer plus the per-slot stream ids (see `engine/attention.py`)."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_slots = num_slots
+        self.dtype, self.device = dtype, device
+        # Zeroed, not empty: padded reads of slot 0 must never meet NaN garbage.
+        self.kv = torch.zeros(2, num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype,
+                              device=device)
+        self.k_buffers = list(self.kv[0].unbind(0))
+        self.v_buffers = list(self.kv[1].unbind(0))
+        self.slot_sid = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+        self.allocator = SlotAllocator(num_slots)
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class ReqToTokenTable:
+    """[max_requests + 1, max_row_len] int32 slot ids on the device; row 0 is scratch."""
+
+    def __init__(self, max_requests: int, max_row_len: int, device: torch.device) -> None:
+        self.max_row_len = max_row_len
+        self.table = torch.zeros(max_requests + 1, max_row_len, dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests, 0, -1))
+        self.scratch_row = 0
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        end = start + slots.numel()
+        if end > self.max_row_len:
+            raise ValueError(f"a row of {end} tokens exceeds the req_to_token row length "
+                             f"{self.max_row_len}")
+        self.table[row, start:end] = slots.to(self.table.device, dtype=torch.int32)
+
+
+def document_key(token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes(),
+                           digest_size=16).digest()
+
+
+@dataclass(eq=False)
+class CachedDocument:
+    key: bytes
+    token_ids: list[int]
+    slots: torch.Tensor  # [length] int64, CPU
+    ref_count: int = 0
+    last_used: int = 0
+    ready: bool = False  # prefilled; until then the requests holding it wait for the prefill
+    uid: int = field(default=0)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+class DocumentCache:
+    """Prefilled documents by token content, with reference counts and LRU eviction."""
+
+    def __init__(self, allocator: SlotAllocator) -> None:
+        self.allocator = allocator
+        self._docs: dict[bytes, CachedDocument] = {}
+        self._clock = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def get(self, token_ids: list[int]) -> CachedDocument | None:
+        return self._docs.get(document_key(token_ids))
+
+    def acquire(self, doc: CachedDocument) -> None:
+        doc.ref_count += 1
+        doc.last_used = next(self._clock)
+
+    def release(self, doc: CachedDocument) -> None:
+        if doc.ref_count <= 0:
+            raise RuntimeError("document released more often than acquired")
+        doc.ref_count -= 1
+        doc.last_used = next(self._clock)
+
+    def insert(self, token_ids: list[int]) -> CachedDocument | None:
+        """Allocate slots for a new (not yet prefilled) document; None if even eviction can't."""
+        slots = self.alloc(len(token_ids))
+        if slots is None:
+            return None
+        uid = next(self._clock)
+        doc = CachedDocument(document_key(token_ids), list(token_ids), slots, last_used=uid, uid=uid)
+        self._docs[doc.key] = doc
+        return doc
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n slots from the pool, evicting unused documents (least recently used first) if needed."""
+        if n > self.allocator.num_free and not self.evict(n - self.allocator.num_free):
+            return None
+        return self.allocator.alloc(n)
+
+    def evict(self, n: int) -> bool:
+        """Evict unused documents until at least n more slots are free; False if impossible."""
+        unused = sorted((d for d in self._docs.values() if d.ref_count == 0), key=lambda d: d.last_used)
+        if sum(d.length for d in unused) < n:
+            return False
+        freed = 0
+        for doc in unused:
+            if freed >= n:
+                break
+            self.drop(doc)
+            freed += doc.length
+        return True
+
+    def drop(self, doc: CachedDocument) -> None:
+        if doc.ref_count:
+            raise RuntimeError(f"cannot evict a document in use ({doc.ref_count} requests)")
+        del self._docs[doc.key]
+        self.allocator.free(doc.slots)
+
+    def clear(self) -> None:
+        for doc in list(self._docs.values()):
+            if doc.ref_count == 0:
+                self.drop(doc)

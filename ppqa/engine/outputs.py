@@ -1,0 +1,69 @@
+"""What goes into and comes out of `Engine.run`: requests, answers, run statistics, and the error
+for a question that cannot fit. Plain dataclasses without torch, so the worker and the CLI can
+build requests and read results without importing the model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ppqa.config import SamplingParams
+
+MODES = ("stock", "parallel", "cascade", "auto")
+
+
+class PromptTooLongError(ValueError):
+    """A question whose document + question + answer budget exceeds the context or the KV pool."""
+
+    def __init__(self, message: str, *, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+@dataclass
+class QuestionRequest:
+    key: object  # the caller's id, handed back with the answer
+    document: str
+    question: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    template: str = "qa"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.document, str) or not isinstance(self.question, str):
+            raise TypeError("QuestionRequest.document and .question must be strings")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"QuestionRequest.sampling must be a SamplingParams, "
+                            f"got {type(self.sampling).__name__}")
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]  # generated ids; an EOS that ended the answer is not included
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_new_tokens)
+    prompt_tokens: int  # document prefix + question suffix
+    question_index: int = 0  # position in the question list of `Engine.answer`
+    latency_s: float = 0.0  # from the start of the run to this answer
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"Answer.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+
+
+@dataclass
+class RunStats:
+    wall_s: float = 0.0
+    prefill_s: float = 0.0  # document and question prefill forwards
+    decode_s: float = 0.0  # decode forwards (with sampling)
+    prompt_tokens: int = 0  # sum of Answer.prompt_tokens over answered questions
+    prefilled_tokens: int = 0  # tokens actually prefilled (documents not yet cached + questions)
+    answer_tokens: int = 0
+    questions: int = 0  # questions answered
+    errors: int = 0  # questions rejected (on_error)
+    steps: int = 0  # forward passes
+    max_batch_requests: int = 0  # most requests decoded together in one step
+    streams: int = 1  # P (1 for stock and cascade)
+    mode: str = "stock"  # the resolved mode
+    peak_memory_bytes: int = 0  # GPU only
+    stopped: bool = False  # should_stop() ended the run early

@@ -1,0 +1,116 @@
+"""The engine's internal view of work: a `Request` is one row of the req_to_token table holding a
+document and P streams (P = 1 for `stock` and `cascade`); a `Stream` is one question and its answer.
+
+Per-stream state that every step needs (next rotary position, live flag, last token, sampling
+parameters) is kept in small [P] tensors, so the scheduler builds a step for B requests with a few
+concatenations instead of a loop over tokens. `Request.accept` applies one sampled token to a
+stream: EOS, stop strings and the token budget end it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ppqa.config import SamplingParams
+from ppqa.engine.kv_cache import CachedDocument
+
+
+@dataclass(eq=False)
+class Stream:
+    key: object  # the caller's QuestionRequest (handed back with the answer)
+    suffix_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # resolved sampling seed
+    prompt_tokens: int  # document + suffix
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None  # set when finished
+    finished_at: float = 0.0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    doc_ids: list[int]
+    streams: list[Stream]
+    width: int  # P: this request's place in a step; streams beyond len(streams) are padding
+    doc: CachedDocument | None = None
+    row: int = -1
+    slots: torch.Tensor | None = None  # reserved for questions + answers, after the document
+    prefix_len: int = 0  # row tokens cached so far
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.streams) <= self.width:
+            raise ValueError(f"a request holds 1..{self.width} streams, got {len(self.streams)}")
+        width, n = self.width, len(self.streams)
+        self.next_pos = torch.zeros(width, dtype=torch.int64)
+        self.live = torch.zeros(width, dtype=torch.bool)
+        self.last_token = torch.zeros(width, dtype=torch.int64)
+        pad = width - n
+        self.temperature = torch.tensor([s.sampling.temperature for s in self.streams] + [0.0] * pad,
+                                        dtype=torch.float32)
+        self.top_p = torch.tensor([s.sampling.top_p for s in self.streams] + [1.0] * pad,
+                                  dtype=torch.float32)
+        self.top_k = torch.tensor([s.sampling.top_k for s in self.streams] + [0] * pad,
+                                  dtype=torch.int64)
+        self.seed = torch.tensor([s.seed for s in self.streams] + [0] * pad, dtype=torch.int64)
+        self.num_out = torch.zeros(width, dtype=torch.int64)  # tokens sampled: the RNG counter
+
+    @property
+    def doc_len(self) -> int:
+        return len(self.doc_ids)
+
+    @property
+    def question_lens(self) -> list[int]:
+        return [len(s.suffix_ids) for s in self.streams]
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV slots to hold every question and its full answer budget (beyond the document)."""
+        return sum(len(s.suffix_ids) + s.sampling.max_new_tokens for s in self.streams)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.streams)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(s.sampling.greedy for s in self.streams)
+
+    def start_answers(self) -> None:
+        """After the question prefill: every real stream is live at its first answer position."""
+        n = len(self.streams)
+        self.prefix_len = self.doc_len + sum(self.question_lens)
+        self.next_pos[:n] = torch.tensor([self.doc_len + q for q in self.question_lens])
+        self.live[:n] = True
+
+    def accept(self, s: int, token: int, eos_ids: Sequence[int],
+               decode: Callable[[list[int]], str], now: float) -> bool:
+        """Apply stream s's sampled token; True if the stream finished with it."""
+        stream = self.streams[s]
+        params = stream.sampling
+        self.num_out[s] += 1
+        if not params.ignore_eos and token in eos_ids:
+            return self._finish(s, "stop", decode(stream.output_ids), now)
+        stream.output_ids.append(token)
+        if params.stop:
+            text = decode(stream.output_ids)
+            cut = min((i for i in (text.find(t) for t in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                return self._finish(s, "stop", text[:cut], now)
+        if len(stream.output_ids) >= params.max_new_tokens:
+            return self._finish(s, "length", decode(stream.output_ids), now)
+        self.last_token[s] = token
+        return False
+
+    def _finish(self, s: int, reason: str, text: str, now: float) -> bool:
+        stream = self.streams[s]
+        stream.finish_reason, stream.text, stream.finished_at = reason, text, now
+        self.live[s] = False
+        return True

@@ -1,0 +1,125 @@
+"""The model runner: a step's host inputs in, logits out; the only place a step touches the device.
+
+The scheduler describes a step as `StepInputs` (CPU tensors, built with batched torch ops from the
+stream layout). `ModelRunner.prepare` packs every integer input into one tensor, moves it to the
+device in one copy, looks the new tokens' slots up in req_to_token on the device
+(row position -1 -> sink slot 0), sets `pool.slot_sid[out_slots] = q_sid`, and builds the
+`ForwardMetadata` that every layer's attention receives. `run` then calls the model and returns
+float32 logits for `logit_indices` only.
+
+For CUDA graphs (a later issue) a decode step's shapes depend only on (B, P): the graph runner can
+keep `prepare`'s outputs in persistent buffers, copy each step's packed tensor into them and replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ppqa.engine.attention import CascadeMetadata, ForwardMetadata
+from ppqa.engine.kv_cache import KVPool, ReqToTokenTable
+from ppqa.engine.layout import StepLayout
+from ppqa.engine.model.llama import LlamaModel
+
+
+@dataclass
+class StepInputs:
+    """One forward step, on the host. B requests, T new tokens, R logit rows."""
+
+    kind: Literal["extend", "decode"]
+    input_ids: torch.Tensor  # [T] int64
+    layout: StepLayout  # positions, q_sid, row_pos per new token
+    qo_indptr: torch.Tensor  # [B+1] int64
+    req_rows: torch.Tensor  # [B] int64 rows in req_to_token
+    kv_start: torch.Tensor  # [B] int64
+    prefix_lens: torch.Tensor  # [B] int64
+    logit_indices: torch.Tensor  # [R] int64
+    cascade_groups: list[tuple[int, int, int]] | None = None  # (first request, end, doc_len)
+
+    def __post_init__(self) -> None:
+        tokens, batch = self.input_ids.shape[0], self.req_rows.shape[0]
+        if self.kind not in ("extend", "decode"):
+            raise ValueError(f"StepInputs.kind must be 'extend' or 'decode', got {self.kind!r}")
+        if self.layout.positions.shape[0] != tokens or self.layout.row_pos.shape[0] != tokens:
+            raise ValueError(f"StepInputs: {tokens} tokens but a layout of "
+                             f"{self.layout.positions.shape[0]} positions")
+        if self.qo_indptr.shape[0] != batch + 1 or int(self.qo_indptr[-1]) != tokens:
+            raise ValueError(f"StepInputs.qo_indptr must have {batch + 1} entries ending at {tokens}")
+        if self.kind == "decode" and tokens != batch:
+            raise ValueError(f"a decode step has one token per request: {tokens} tokens, {batch} requests")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, table: ReqToTokenTable, backend,
+                 device: torch.device) -> None:
+        self.model, self.pool, self.table, self.backend = model, pool, table, backend
+        self.device = device
+
+    def prepare(self, step: StepInputs) -> tuple[torch.Tensor, ForwardMetadata]:
+        """(input_ids on the device, ForwardMetadata); also stamps slot_sid for the new slots."""
+        batch = step.req_rows.shape[0]
+        token_req = torch.repeat_interleave(torch.arange(batch), step.qo_indptr.diff())
+        parts = [step.input_ids, step.layout.positions, step.layout.q_sid.to(torch.int64),
+                 step.layout.row_pos, token_req, step.req_rows, step.kv_start, step.prefix_lens,
+                 step.qo_indptr, step.logit_indices]
+        groups = step.cascade_groups
+        if groups is not None:
+            parts += [torch.tensor([0] + [end for _, end, _ in groups]),
+                      step.req_rows[[first for first, _, _ in groups]],
+                      torch.tensor([doc_len for _, _, doc_len in groups])]
+        sizes = [p.shape[0] for p in parts]
+        packed = torch.cat([p.to(torch.int64) for p in parts])
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        (input_ids, positions, q_sid, row_pos, token_req_d, req_rows, kv_start, prefix_lens,
+         qo_indptr, logit_indices, *cascade) = packed.split(sizes)
+        table = self.table.table
+        rows_of_tokens = req_rows[token_req_d]
+        out_slots = torch.where(row_pos >= 0, table[rows_of_tokens, row_pos.clamp(min=0)].long(),
+                                torch.zeros_like(row_pos))
+        q_sid = q_sid.to(torch.int32)
+        self.pool.slot_sid[out_slots] = q_sid
+        cascade_meta = None
+        if groups is not None:
+            indptr, doc_rows, doc_lens = cascade
+            cascade_meta = CascadeMetadata(
+                group_req_indptr=indptr.to(torch.int32), doc_req_indices=doc_rows.to(torch.int32),
+                doc_lens=doc_lens.to(torch.int32),
+                max_group_size=max(end - first for first, end, _ in groups),
+                max_doc_len=max(doc_len for _, _, doc_len in groups))
+        extend_lens = step.qo_indptr.diff()
+        meta = ForwardMetadata(
+            kind=step.kind, positions=positions, out_slots=out_slots, q_sid=q_sid,
+            qo_indptr=qo_indptr.to(torch.int32), req_indices=req_rows.to(torch.int32),
+            kv_start=kv_start.to(torch.int32), prefix_lens=prefix_lens.to(torch.int32),
+            req_to_token=table, logit_indices=logit_indices,
+            max_extend_len=int(extend_lens.max()) if batch else 0,
+            max_prefix_len=int(step.prefix_lens.max()) if batch else 0,
+            cascade=cascade_meta)
+        init = getattr(self.backend, "init_forward_metadata", None)
+        if init is not None:
+            init(meta)
+        return input_ids, meta
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        """Forward one step; float32 logits [R, vocab] for the step's logit rows (None if R = 0)."""
+        input_ids, meta = self.prepare(step)
+        hidden = self.model(input_ids, meta.positions, meta, self.backend)
+        if meta.logit_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[meta.logit_indices])
+
+    def synchronize(self) -> float:
+        """Wait for the device (for timing) and return the time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

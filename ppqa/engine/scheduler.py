@@ -1,0 +1,237 @@
+"""Which requests run this step: admission by free KV, continuous batching, step building.
+
+Requests wait in arrival order (the engine queues each document's requests together). `admit`
+takes requests from the head of the queue while a req_to_token row is free and the pool can hold
+the request's document (cached, or newly allocated, evicting unused documents) plus its reservation
+(every question and its whole answer budget, so a running request never runs out of KV).
+Admitted requests get their questions prefilled in one packed extend; afterwards every running
+request decodes each step (`decode_step`): stock/cascade requests one token ("decode" kind),
+parallel requests P tokens ("extend" kind, shape (B, P)). A request leaves as soon as all its
+streams are finished, freeing its slots and row, and waiting requests take its place.
+
+Data flow: engine -> `admit` -> (`document_steps` for documents not yet prefilled) ->
+`prefill_step` / `decode_step` -> runner -> sampler -> `postprocess` -> finished streams -> engine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ppqa.engine.kv_cache import CachedDocument, DocumentCache, KVPool, ReqToTokenTable
+from ppqa.engine.layout import StepLayout, decode_layout, document_layout, question_layout
+from ppqa.engine.request import Request, Stream
+from ppqa.engine.runner import StepInputs
+from ppqa.engine.sampling import SamplingBatch
+
+
+def pack_streams(sizes: Sequence[int], max_streams: int, doc_len: int,
+                 limit: int) -> list[list[int]]:
+    """Split questions (their reservation sizes: question + answer budget) into requests.
+
+    ceil(n / max_streams) requests of near-equal stream counts, each split further while
+    doc_len + its reservation exceeds `limit` (the pool or row capacity). Returns index lists.
+    """
+    n = len(sizes)
+    count = -(-n // max_streams)
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    pending = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    out: list[list[int]] = []
+    while pending:
+        group = pending.pop(0)
+        if len(group) > 1 and doc_len + sum(sizes[i] for i in group) > limit:
+            half = len(group) // 2
+            pending[:0] = [group[:half], group[half:]]
+        else:
+            out.append(group)
+    return out
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, table: ReqToTokenTable, docs: DocumentCache, *,
+                 max_prefill_tokens: int, max_batch_requests: int) -> None:
+        self.pool, self.table, self.docs = pool, table, docs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_batch_requests = max_batch_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def admit(self) -> list[Request]:
+        """Move requests from the queue to running while rows, KV and the prefill budget allow."""
+        admitted: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_requests:
+            req = self.waiting[0]
+            q_tokens = sum(req.question_lens)
+            if admitted and tokens + q_tokens > self.max_prefill_tokens:
+                break
+            if not self._allocate(req):
+                break
+            self.waiting.popleft()
+            admitted.append(req)
+            tokens += q_tokens
+        if not admitted and self.waiting and not self.running:
+            req = self.waiting[0]
+            raise RuntimeError(  # validation should make this impossible; never loop forever
+                f"cannot admit a request of {req.doc_len} document + {req.reserve_tokens} reserved "
+                f"tokens into an idle KV pool of {self.pool.allocator.capacity} slots "
+                f"({self.pool.allocator.num_free} free, {self.table.num_free_rows} free rows)")
+        self.running.extend(admitted)
+        return admitted
+
+    def _allocate(self, req: Request) -> bool:
+        if self.table.num_free_rows == 0:
+            return False
+        doc = self.docs.get(req.doc_ids)
+        if doc is None:
+            doc = self.docs.insert(req.doc_ids)
+            if doc is None:
+                return False
+        self.docs.acquire(doc)  # pinned before the reservation so eviction cannot take it
+        slots = self.docs.alloc(req.reserve_tokens)
+        if slots is None:
+            self.docs.release(doc)
+            return False
+        row = self.table.alloc()
+        self.table.write(row, 0, doc.slots)
+        self.table.write(row, doc.length, slots)
+        req.doc, req.row, req.slots, req.prefix_len = doc, row, slots, doc.length
+        return True
+
+    def release(self, req: Request) -> None:
+        """Give back a request's slots, row and document reference."""
+        if req.row < 0:
+            return
+        self.pool.allocator.free(req.slots)
+        self.table.free(req.row)
+        self.docs.release(req.doc)
+        req.row, req.slots = -1, None
+
+    def abort_all(self) -> None:
+        """Drop every queued and running request (should_stop, or an error in the run)."""
+        for req in self.running:
+            self.release(req)
+        self.running.clear()
+        self.waiting.clear()
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def documents_to_prefill(self, requests: Sequence[Request]) -> list[CachedDocument]:
+        seen: dict[int, CachedDocument] = {}
+        for req in requests:
+            if not req.doc.ready:
+                seen.setdefault(id(req.doc), req.doc)
+        return list(seen.values())
+
+    def document_steps(self, doc: CachedDocument) -> Iterator[StepInputs]:
+        """Chunked prefill of a document through the scratch row (no logits)."""
+        row = self.table.scratch_row
+        self.table.write(row, 0, doc.slots)
+        ids = torch.tensor(doc.token_ids, dtype=torch.int64)
+        for start in range(0, doc.length, self.max_prefill_tokens):
+            end = min(doc.length, start + self.max_prefill_tokens)
+            yield StepInputs(kind="extend", input_ids=ids[start:end],
+                             layout=document_layout(start, end),
+                             qo_indptr=torch.tensor([0, end - start]), req_rows=torch.tensor([row]),
+                             kv_start=torch.zeros(1, dtype=torch.int64),
+                             prefix_lens=torch.tensor([start]),
+                             logit_indices=torch.empty(0, dtype=torch.int64))
+
+    def prefill_step(self, requests: Sequence[Request]) -> StepInputs:
+        """One packed extend of the questions of newly admitted requests; a logit row per stream."""
+        ids, positions, sids, rows, lasts, counts = [], [], [], [], [], []
+        offset = 0
+        for req in requests:
+            layout, last = question_layout(req.doc_len, req.question_lens)
+            ids.extend(i for s in req.streams for i in s.suffix_ids)
+            positions.append(layout.positions)
+            sids.append(layout.q_sid)
+            rows.append(layout.row_pos)
+            lasts.append(last + offset)
+            counts.append(layout.positions.shape[0])
+            offset += counts[-1]
+        return StepInputs(
+            kind="extend", input_ids=torch.tensor(ids, dtype=torch.int64),
+            layout=StepLayout(torch.cat(positions), torch.cat(sids), torch.cat(rows)),
+            qo_indptr=torch.tensor([0] + counts).cumsum(0),
+            req_rows=torch.tensor([r.row for r in requests]),
+            kv_start=torch.zeros(len(requests), dtype=torch.int64),
+            prefix_lens=torch.tensor([r.doc_len for r in requests]),
+            logit_indices=torch.cat(lasts))
+
+    def decode_batch(self, cascade: bool) -> list[Request]:
+        """The running requests in step order (grouped by document for cascade)."""
+        if cascade:
+            self.running.sort(key=lambda r: r.doc.uid)  # stable: arrival order within a document
+        return list(self.running)
+
+    def decode_step(self, requests: Sequence[Request], *, kind: str, cascade: bool) -> StepInputs:
+        """One token per stream of every request; logit rows = all B * P tokens."""
+        prefix = torch.tensor([r.prefix_len for r in requests])
+        layout, _ = decode_layout(prefix, torch.stack([r.next_pos for r in requests]),
+                                  torch.stack([r.live for r in requests]))
+        batch, width = len(requests), requests[0].width
+        tokens = batch * width
+        groups = None
+        kv_start = torch.zeros(batch, dtype=torch.int64)
+        if cascade:
+            groups, first = [], 0
+            for b in range(1, batch + 1):
+                if b == batch or requests[b].doc is not requests[first].doc:
+                    groups.append((first, b, requests[first].doc_len))
+                    first = b
+            kv_start = torch.tensor([r.doc_len for r in requests])
+        return StepInputs(
+            kind=kind, input_ids=torch.cat([r.last_token for r in requests]), layout=layout,
+            qo_indptr=torch.arange(0, tokens + 1, width), req_rows=torch.tensor([r.row for r in requests]),
+            kv_start=kv_start, prefix_lens=prefix, logit_indices=torch.arange(tokens),
+            cascade_groups=groups)
+
+    @staticmethod
+    def sampling_batch(requests: Sequence[Request], prefill: bool) -> SamplingBatch:
+        """Parameters of the step's logit rows (prefill: real streams only; decode: all B * P)."""
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(r, name)[:len(r.streams)] if prefill else getattr(r, name)
+                              for r in requests])
+        return SamplingBatch(temperature=cat("temperature"), top_p=cat("top_p"), top_k=cat("top_k"),
+                             seed=cat("seed"), step=cat("num_out"),
+                             all_greedy=all(r.all_greedy for r in requests))
+
+    # ---- after sampling --------------------------------------------------------------------
+
+    def postprocess(self, requests: Sequence[Request], tokens: list[int], *, prefill: bool,
+                    eos_ids: Sequence[int], decode: Callable[[list[int]], str],
+                    now: float) -> list[Stream]:
+        """Apply sampled tokens; return streams that finished; retire finished requests."""
+        finished: list[Stream] = []
+        offset = 0
+        for req in requests:
+            if prefill:
+                fed = list(range(len(req.streams)))
+                req.start_answers()
+                picks = tokens[offset:offset + len(fed)]
+                offset += len(fed)
+            else:
+                live = req.live.clone()
+                fed = torch.nonzero(live).flatten().tolist()
+                req.prefix_len += len(fed)
+                req.next_pos += live.to(torch.int64)
+                picks = [tokens[offset + s] for s in fed]
+                offset += req.width
+            for s, token in zip(fed, picks):
+                if req.accept(s, token, eos_ids, decode, now):
+                    finished.append(req.streams[s])
+            if req.is_finished:
+                self.release(req)
+        self.running = [r for r in self.running if r.row >= 0]
+        return finished
