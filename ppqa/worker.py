@@ -137,7 +137,7 @@ class Worker:
 
     def _run_cycle(self, claims: list[ClaimedJob]) -> bool:
         """Answer the claimed jobs and settle each one; True if the engine itself crashed."""
-        from ppqa.engine.engine import QuestionRequest
+        from ppqa.engine.outputs import QuestionRequest
 
         runs = {c.job_id: JobRun(c) for c in claims}
         requests = [QuestionRequest(key=(c.job_id, q.id), document=c.document_text,
@@ -152,8 +152,8 @@ class Worker:
             try:
                 queue.record_answer(
                     self.db, req.key[1], answer.text, tokens, answer.finish_reason or "stop",
-                    first_token_seconds=getattr(answer, "first_token_seconds", None),
-                    total_seconds=time.perf_counter() - cycle_start,
+                    total_seconds=getattr(answer, "latency_s", None)
+                    or time.perf_counter() - cycle_start,
                     worker_id=self.options.worker_id)
             except Exception as exc:  # noqa: BLE001 - kept to retry at settle time
                 run.unsaved.append((req.key[1], answer, exc))

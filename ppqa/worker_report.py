@@ -66,26 +66,26 @@ class JobRun:
 def job_report(run: JobRun, cycle: list[JobRun], stats, cycle_start: float, options,
                mode: str) -> JobReport:
     """The speed report of one job's run. Wall time is the job's own (cycle start to its last
-    answer); prefill/decode seconds and prompt tokens of a batch shared by several jobs are split
-    between them by their share of prompt and answer tokens, so the rows of a cycle add up."""
+    answer); prefill/decode seconds of a batch shared by several jobs are split between them by
+    their share of prompt and answer tokens, so the rows of a cycle add up. Prompt tokens count
+    document + question per question, as the engine's `Answer.prompt_tokens` does."""
     end = run.last_answer_at or time.perf_counter()
     wall = max(end - cycle_start, 1e-9)
-    prompt_tokens, prefill, decode = run.prompt_tokens, None, None
+    prefill, decode = None, None
     if stats is not None:
         prompt_share = _share(run.prompt_tokens, sum(r.prompt_tokens for r in cycle))
         answer_share = _share(run.answer_tokens, sum(r.answer_tokens for r in cycle))
-        prompt_tokens = round(stats.prompt_tokens * prompt_share)
         prefill = stats.prefill_s * prompt_share
         decode = stats.decode_s * answer_share
     return JobReport(
         device=options.device, model=options.model,
         mode=getattr(stats, "mode", None) or mode,
-        wall_seconds=wall, questions=run.answered, prompt_tokens=prompt_tokens,
+        wall_seconds=wall, questions=run.answered, prompt_tokens=run.prompt_tokens,
         answer_tokens=run.answer_tokens,
         streams=getattr(stats, "streams", None) or None,
         batch_size=getattr(stats, "max_batch_requests", None) or None,
         prefill_seconds=prefill, decode_seconds=decode,
-        peak_memory_bytes=getattr(stats, "peak_memory_bytes", None))
+        peak_memory_bytes=getattr(stats, "peak_memory_bytes", None) or None)  # 0: not measured (CPU)
 
 
 def _share(part: float, whole: float) -> float:

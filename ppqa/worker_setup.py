@@ -64,7 +64,7 @@ def load_engine(model: str, device: str, **engine_kwargs):
     if not model or not model.strip():
         raise SetupError("--model must be a model name, a Hugging Face folder or a .gguf file")
     try:
-        from ppqa import Engine
+        from ppqa.engine.engine import Engine
     except ImportError as exc:
         raise SetupError(f"the inference engine is not available: {_first_line(exc)}") from None
     try:

@@ -93,19 +93,23 @@ def run(
 
     progress = make_progress(lambda: waiting_questions(db, model))
     worker = Worker(db, engine, options, progress)
-    _stop_on_signals(worker, progress)
+    previous = _stop_on_signals(worker, progress)
     try:
         summary = worker.run()
     except WorkerError as exc:
         say(f"error: {exc}")
         raise typer.Exit(1)
+    finally:  # the command may run inside a longer-lived process (tests, a notebook)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if json_out:
         print_json(summary.to_dict())
     if summary.stopped_by == "SIGINT":
         raise typer.Exit(130)
 
 
-def _stop_on_signals(worker, progress) -> None:
+def _stop_on_signals(worker, progress) -> dict:
+    """Install the handlers described in the module doc; return the previous ones."""
     def handle(signum, _frame) -> None:
         name = signal.Signals(signum).name
         if worker.stopping:  # the second signal: leave now; the leases will simply expire
@@ -114,5 +118,7 @@ def _stop_on_signals(worker, progress) -> None:
         progress.message(f"{name}: stopping - saving finished answers and releasing unfinished "
                          "jobs (press Ctrl-C again to quit at once)")
 
-    signal.signal(signal.SIGINT, handle)
-    signal.signal(signal.SIGTERM, handle)
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, handle)
+    return previous

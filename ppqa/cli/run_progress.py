@@ -199,7 +199,7 @@ class RichProgress(_Base):
 def make_progress(waiting_questions, *, stream=None) -> ProgressSink:
     """Rich bars when stderr is a terminal, else log lines (PPQA_LOG_INTERVAL seconds apart)."""
     stream = stream or sys.stderr
-    console = Console(file=stream, highlight=False)
+    console = Console(file=stream, highlight=False, soft_wrap=True)
     if console.is_terminal:
         return RichProgress(console, waiting_questions)
     interval = float(os.environ.get("PPQA_LOG_INTERVAL", "10"))

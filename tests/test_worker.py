@@ -1,0 +1,160 @@
+"""The worker in process, with the real engine on the tiny random model `dummy:tiny-mha` (CPU).
+
+What is checked: the answers stored are the engine's own answers for each job's parameters; each
+finished job gets one report row whose figures add up; a job the model cannot hold fails alone
+with the reason and is not retried; a stop releases unfinished jobs without losing a saved
+answer; a job cancelled while it runs stays cancelled. Process-level behaviour (kill -9, several
+workers, signals) is in test_run_reliability.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+from typer.testing import CliRunner
+
+from ppqa.config import SamplingParams
+from ppqa.store.jobs import cancel_job
+from ppqa.store.models import Answer, Job, Question, Report
+from ppqa.worker import Worker, WorkerOptions
+from ppqa.worker_report import ProgressSink
+
+MODEL = "dummy:tiny-mha"
+DOC = ("The harbor of Velm opened in 1901. It has three piers, a red lighthouse and a ferry "
+       "that leaves every hour. The harbor master is Ada Rook.")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ppqa.engine.engine import Engine
+
+    return Engine(MODEL, device="cpu")
+
+
+def _worker(db, engine, progress=None, **options) -> Worker:
+    options = {"model": MODEL, "device": "cpu", "lease_seconds": 30, **options}
+    return Worker(db, engine, WorkerOptions(**options), progress)
+
+
+def _stored_answers(db, job_id: int) -> list[str]:
+    with db.read() as conn:
+        return list(conn.execute(
+            select(Answer.text).join(Question, Question.id == Answer.question_id)
+            .where(Question.job_id == job_id).order_by(Question.position)).scalars())
+
+
+def _jobs(db) -> dict[int, tuple]:
+    with db.read() as conn:
+        return {r.id: (r.status, r.attempts, r.error) for r in conn.execute(
+            select(Job.id, Job.status, Job.attempts, Job.error))}
+
+
+def test_answers_are_the_engines_and_each_job_gets_a_report(sqlite_db, add_job, engine):
+    questions = ["When did the harbor open?", "How many piers?", "Who is the harbor master?"]
+    short = add_job(sqlite_db, DOC, questions, name="velm", max_new_tokens=5)
+    longer = add_job(sqlite_db, DOC, questions[:2], name="velm", max_new_tokens=9, seed=3)
+    other = add_job(sqlite_db, "A second, unrelated document.", ["What is it?"], name="other",
+                    max_new_tokens=4)
+    summary = _worker(sqlite_db, engine).run()
+
+    assert {j: s[0] for j, s in _jobs(sqlite_db).items()} == {short: "done", longer: "done",
+                                                               other: "done"}
+    expected = engine.answer(DOC, questions, sampling=SamplingParams(max_new_tokens=5, seed=0))
+    assert _stored_answers(sqlite_db, short) == [a.text for a in expected]
+    expected = engine.answer(DOC, questions[:2], sampling=SamplingParams(max_new_tokens=9, seed=3))
+    assert _stored_answers(sqlite_db, longer) == [a.text for a in expected]
+
+    with sqlite_db.read() as conn:
+        reports = {r.job_id: r for r in conn.execute(select(Report))}
+        tokens = dict(conn.execute(
+            select(Question.job_id, func.sum(Answer.token_count))
+            .join(Answer, Answer.question_id == Question.id).group_by(Question.job_id)).all())
+    assert set(reports) == {short, longer, other}
+    for job_id, report in reports.items():
+        assert (report.model, report.device, report.worker) == (MODEL, "cpu", summary.worker_id)
+        assert report.answer_tokens == tokens[job_id] > 0
+        assert report.tokens_per_second == pytest.approx(report.answer_tokens / report.wall_seconds)
+        assert report.mode == "parallel" and report.prefill_seconds >= 0 <= report.decode_seconds
+    assert reports[short].questions == 3 and reports[longer].questions == 2
+    assert summary.count("done") == 3 and summary.questions == 6
+
+
+def test_a_document_too_long_for_the_model_fails_alone(sqlite_db, add_job, engine):
+    context = engine.model_config.max_position_embeddings
+    too_long = add_job(sqlite_db, "word " * (2 * context), ["Anything?"], name="huge")
+    fine = add_job(sqlite_db, DOC, ["How many piers?"], max_new_tokens=4)
+    summary = _worker(sqlite_db, engine, max_attempts=3).run()
+
+    jobs = _jobs(sqlite_db)
+    assert jobs[fine][0] == "done"
+    status, attempts, error = jobs[too_long]
+    assert (status, attempts) == ("failed", 1)  # retrying cannot make it fit: no second attempt
+    assert f"context of {context} tokens" in error
+    assert [o.status for o in summary.jobs if o.job_id == too_long] == ["failed"]
+
+
+class _StopAfterFirstAnswer(ProgressSink):
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+        self.answers = 0
+
+    def answered(self, claim, answer_tokens: int) -> None:
+        self.answers += 1
+        self.worker.request_stop("test")
+
+
+def test_stop_saves_answers_and_releases_the_rest(sqlite_db, add_job, engine):
+    jobs = [add_job(sqlite_db, DOC, [f"Question {i}.{k}?" for k in range(4)], name="velm",
+                    max_new_tokens=12, seed=i) for i in range(4)]
+    sink = _StopAfterFirstAnswer()
+    worker = _worker(sqlite_db, engine, sink, max_jobs=2)
+    sink.worker = worker
+    summary = worker.run()
+
+    states = _jobs(sqlite_db)
+    assert summary.stopped_by == "test"
+    assert all(states[j][0] in ("queued", "done") for j in jobs), states
+    unfinished = [j for j in jobs if states[j][0] == "queued"]
+    assert unfinished and all(states[j][1] == 0 for j in unfinished)  # release is no attempt
+    with sqlite_db.read() as conn:
+        saved = conn.execute(select(func.count(Answer.id))).scalar_one()
+        owners = conn.execute(select(Job.lease_owner).where(Job.lease_owner.is_not(None))).all()
+    assert saved == sink.answers == summary.questions and owners == []
+
+    _worker(sqlite_db, engine).run()  # another worker finishes the rest, keeping what was saved
+    assert {s[0] for s in _jobs(sqlite_db).values()} == {"done"}
+    with sqlite_db.read() as conn:
+        assert conn.execute(select(func.count(Answer.id))).scalar_one() == 16
+
+
+class _CancelOnFirstAnswer(ProgressSink):
+    def __init__(self, db, job_id: int) -> None:
+        self.db, self.job_id, self.done = db, job_id, False
+
+    def answered(self, claim, answer_tokens: int) -> None:
+        if not self.done:
+            self.done = True
+            cancel_job(self.db, self.job_id)
+
+
+def test_a_job_cancelled_while_running_stays_cancelled(sqlite_db, add_job, engine):
+    job = add_job(sqlite_db, DOC, [f"Question {k}?" for k in range(6)], max_new_tokens=8)
+    summary = _worker(sqlite_db, engine, _CancelOnFirstAnswer(sqlite_db, job)).run()
+    assert _jobs(sqlite_db)[job][0] == "cancelled"
+    assert summary.count("done") == 0
+
+
+def test_run_once_json_summary(sqlite_path, sqlite_db, add_job):
+    from ppqa.cli.app import app
+
+    job = add_job(sqlite_db, DOC, ["How many piers?", "Who is the harbor master?"],
+                  max_new_tokens=4)
+    result = CliRunner().invoke(app, ["--db", str(sqlite_path), "run", "--once", "--json",
+                                      "--device", "cpu", "--model", MODEL])
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["jobs_done"], summary["questions_answered"]) == (1, 2)
+    assert summary["jobs"][0]["job_id"] == job and summary["jobs"][0]["report"]["questions"] == 2
+    assert f"job {job} done" in result.stderr  # log lines, since stderr is not a terminal
