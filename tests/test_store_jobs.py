@@ -1,0 +1,157 @@
+"""Ingest (documents stored once, identical jobs refused, all-or-nothing), cancel/retry rules,
+the read views and export files."""
+
+import csv
+import json
+
+import pytest
+from sqlalchemy import func, select
+
+from ppqa.store import queue
+from ppqa.store.errors import InputError, StoreError
+from ppqa.store.export import export_format, export_rows, write_export
+from ppqa.store.inputs import QuestionInput
+from ppqa.store.jobs import IngestRequest, cancel_job, ingest, retry_job
+from ppqa.store.models import Document, Job
+from ppqa.store.params import GenerationParams
+from ppqa.store.views import job_detail, list_jobs, queue_status
+
+
+def request(document="Doc.", questions=("A?", "B?"), name="doc", **params):
+    qs = [QuestionInput(str(i + 1), q, f"t:{i}") for i, q in enumerate(questions)]
+    return IngestRequest(document, name, qs, GenerationParams(**params))
+
+
+def count(db, model):
+    with db.read() as conn:
+        return conn.execute(select(func.count()).select_from(model)).scalar_one()
+
+
+def test_same_document_is_stored_once_and_identical_jobs_are_refused(sqlite_db):
+    first = ingest(sqlite_db, [request()])[0]
+    other_params = ingest(sqlite_db, [request(max_new_tokens=8, name="renamed")])[0]
+    assert first.document_is_new and not other_params.document_is_new
+    assert other_params.document_id == first.document_id
+    assert other_params.document_name == "doc"  # the first name stays
+    with pytest.raises(InputError, match=f"identical job .*: job {first.job_id} .*--force"):
+        ingest(sqlite_db, [request()])
+    forced = ingest(sqlite_db, [request()], force=True)[0]
+    assert forced.job_id > other_params.job_id
+    assert (count(sqlite_db, Document), count(sqlite_db, Job)) == (1, 3)
+
+
+def test_ingest_is_all_or_nothing(sqlite_db):
+    ingest(sqlite_db, [request("Existing.")])
+    batch = [request("New doc."), request("Existing.")]  # the second is a duplicate
+    with pytest.raises(InputError, match="identical job"):
+        ingest(sqlite_db, batch)
+    assert (count(sqlite_db, Document), count(sqlite_db, Job)) == (1, 1)
+    with pytest.raises(InputError, match="unknown template"):
+        ingest(sqlite_db, [request("Another.", template="nope")])
+    assert count(sqlite_db, Job) == 1
+
+
+def test_cancel_and_retry_rules(sqlite_db, add_job):
+    job = add_job(sqlite_db)
+    assert cancel_job(sqlite_db, job) == "cancelled"
+    with pytest.raises(StoreError, match=f"job {job} is cancelled; only queued or running"):
+        cancel_job(sqlite_db, job)
+    assert retry_job(sqlite_db, job) == "queued"
+    with pytest.raises(StoreError, match=f"job {job} is queued; only failed or cancelled"):
+        retry_job(sqlite_db, job)
+    queue.claim_jobs(sqlite_db, "w", 60)
+    queue.fail_job(sqlite_db, job, "w", "broken", retry=False)
+    assert retry_job(sqlite_db, job) == "queued"
+    assert list_jobs(sqlite_db)[0]["attempts"] == 0 and list_jobs(sqlite_db)[0]["error"] is None
+    with pytest.raises(StoreError, match="no job 99"):
+        cancel_job(sqlite_db, 99)
+
+
+def test_views(sqlite_db, add_job):
+    a = add_job(sqlite_db, "Doc A.", name="a")
+    add_job(sqlite_db, "Doc A.", ("Other?",), name="a")
+    b = add_job(sqlite_db, "Doc B.", name="b")
+    claim = queue.claim_jobs(sqlite_db, "w", 60)[0]
+    queue.record_answer(sqlite_db, claim.questions[0].id, "yes", 1, "stop")
+    cancel_job(sqlite_db, b)
+    status = queue_status(sqlite_db)
+    assert status["totals"]["jobs"] == {"queued": 0, "running": 2, "done": 0, "failed": 0,
+                                        "cancelled": 1}
+    assert (status["totals"]["questions"], status["totals"]["answered"]) == (5, 1)
+    assert [(d["name"], d["questions"], d["answered"]) for d in status["documents"]] == [
+        ("a", 3, 1), ("b", 2, 0)]
+    assert [j["job"] for j in list_jobs(sqlite_db, status="running")] == [a + 1, a]
+    with pytest.raises(StoreError, match="unknown status"):
+        list_jobs(sqlite_db, status="sleeping")
+    detail = job_detail(sqlite_db, a)
+    assert detail["answered"] == 1 and detail["lease_owner"] == "w"
+    assert [(q["question_id"], q["answer"]) for q in detail["questions_detail"]] == [
+        ("1", "yes"), ("2", None)]
+
+
+@pytest.fixture
+def finished(sqlite_db, add_job):
+    """One done job whose answers need quoting, one queued job."""
+    job = add_job(sqlite_db, "Doc.", ("Comma, question?", "Quote?"), name="tricky")
+    add_job(sqlite_db, "Other doc.", ("Later?",), name="later")
+    claim = queue.claim_jobs(sqlite_db, "w", 60)[0]
+    answers = ['Yes, "really"\nover two lines', "Zürich — ünïcode"]
+    for q, text in zip(claim.questions, answers):
+        queue.record_answer(sqlite_db, q.id, text, 5, "stop")
+    queue.finish_job(sqlite_db, job, "w", dict(device="cpu", model="tiny", mode="parallel",
+                                               wall_seconds=1.0, questions=2, prompt_tokens=9,
+                                               answer_tokens=10))
+    return job, answers
+
+
+def test_export_rows_selection(sqlite_db, finished):
+    job, answers = finished
+    rows = export_rows(sqlite_db)
+    assert [(r["job"], r["answer"], r["model"], r["mode"]) for r in rows] == [
+        (job, answers[0], "tiny", "parallel"), (job, answers[1], "tiny", "parallel")]
+    everything = export_rows(sqlite_db, include_all=True)
+    assert len(everything) == 3 and everything[2]["answer"] is None
+    assert everything[2]["mode"] == "auto"  # no report yet: what the job asked for
+    assert [r["job"] for r in export_rows(sqlite_db, job_ids=[job + 1])] == [job + 1]
+    with pytest.raises(StoreError, match="no job 42"):
+        export_rows(sqlite_db, job_ids=[42])
+
+
+def test_export_files_round_trip(sqlite_db, finished, tmp_path):
+    rows = export_rows(sqlite_db)
+    write_export(rows, str(tmp_path / "a.csv"), "csv")
+    raw = (tmp_path / "a.csv").read_bytes()
+    assert raw.startswith(b"\xef\xbb\xbf")  # BOM: spreadsheets then read UTF-8
+    with open(tmp_path / "a.csv", encoding="utf-8-sig", newline="") as f:
+        back = list(csv.DictReader(f))
+    assert [r["answer"] for r in back] == [r["answer"] for r in rows]
+    assert back[0]["tokens"] == "5" and back[0]["finished_at"].endswith("Z")
+    write_export(rows, str(tmp_path / "a.jsonl"), "jsonl")
+    lines = (tmp_path / "a.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) for line in lines] == rows
+    write_export(rows, str(tmp_path / "a.json"), "json")
+    assert json.loads((tmp_path / "a.json").read_text(encoding="utf-8")) == rows
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_export_replaces_atomically(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+
+    class Boom(dict):
+        def __getitem__(self, key):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_export([Boom()], str(target), "csv")
+    assert target.read_text() == "old"  # the old file is intact and no temp file is left
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_export_format():
+    assert export_format("x.JSONL", None) == "jsonl" and export_format("-", None) == "csv"
+    assert export_format("x.txt", "json") == "json"
+    with pytest.raises(InputError, match="cannot tell the format"):
+        export_format("x.txt", None)
+    with pytest.raises(InputError, match="unknown format 'xml'"):
+        export_format("x.csv", "xml")
