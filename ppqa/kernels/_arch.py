@@ -1,0 +1,111 @@
+"""Per-device choices for the attention kernels: SM count, tile shapes, split counts.
+
+The launchers in this package ask here for their tile sizes and for how many pieces to split a
+KV row into; nothing else in the package reads device properties. On a CPU tensor the kernels run
+under Triton's interpreter (TRITON_INTERPRET=1), where each program is numpy code: there we pick
+small query tiles but long key tiles (fewer loop iterations is what makes the interpreter fast)
+and pretend to have a few SMs so that the split paths are exercised by the CPU tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETER_SMS = 4  # small, so the CPU tests split rows the way a GPU would at large sizes
+MIN_SPLIT_TOKENS = 256  # a split must read at least this many keys to pay for its reduction
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int  # query rows of a tile (tokens x grouped heads)
+    block_n: int  # keys per loop iteration
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two, got {value}")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_props(index: int) -> tuple[int, int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major, props.minor
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    _, major, minor = _cuda_props(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+    return major, minor
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use exact fp32 products: tf32 noise could flip greedy tokens between modes."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
+    """Tiles for the extend kernel; `rows` = query rows one request needs (tokens x group)."""
+    want_m = max(16, triton.next_power_of_2(max(rows, 1)))
+    if device.type != "cuda":
+        return Tiles(min(want_m, 128), 128, 4, 1)
+    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
+    block_m = min(want_m, 64 if wide else 128)
+    block_n = 32 if wide else 64
+    num_warps = 8 if block_m >= 128 else 4
+    stages = 3 if _capability(device) >= (8, 0) and block_m <= 64 else 2
+    return Tiles(block_m, block_n, num_warps, stages)
+
+
+def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
+    """Tiles for the paged decode kernel: block_m holds one KV head's query heads."""
+    block_m = 1 if group == 1 else max(16, triton.next_power_of_2(group))
+    if device.type != "cuda":
+        return Tiles(block_m, 128, 4, 1)
+    block_n = 32 if dtype == torch.float32 else 64
+    return Tiles(block_m, block_n, 4, 2)
+
+
+def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
+    """Tiles for the shared-prefix (cascade) kernel: a matrix product over the document."""
+    return extend_tiles(device, dtype, rows)
+
+
+def choose_splits(
+    programs: int, max_keys: int, device: torch.device, split_cap: int = MAX_SPLITS
+) -> int:
+    """How many pieces to cut each KV row into so `programs` x pieces fills the GPU.
+
+    Host-side, from the batch shape and the longest row only, so a CUDA graph captured with an
+    upper bound on the row length keeps its grid. Each piece reads >= MIN_SPLIT_TOKENS keys.
+    """
+    target = 2 * num_sms(device)  # two waves of programs hide the tail of the slowest one
+    if programs >= target or max_keys <= MIN_SPLIT_TOKENS:
+        return 1
+    splits = triton.cdiv(target, max(programs, 1))
+    splits = min(splits, triton.cdiv(max_keys, MIN_SPLIT_TOKENS), split_cap, MAX_SPLITS)
+    return max(1, splits)
+
+
+def kernel_dtypes(dtype: torch.dtype, device: torch.device):
+    """(DOT_DT, P_DT, PREC) constexprs for a pool dtype (see _tile.py on the interpreter's bf16)."""
+    p_dt = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    dot_dt = tl.float32 if (device.type != "cuda" and dtype == torch.bfloat16) else p_dt
+    return dot_dt, p_dt, dot_precision(dtype)

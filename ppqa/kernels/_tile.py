@@ -1,0 +1,75 @@
+"""Triton helpers shared by the attention kernels: one key tile's online-softmax step and the
+final write of a query tile (to the output, or to a partial-state slot for `merge_partials`).
+
+Scores are kept in log2 units (q.k * sm_scale * log2 e) so the kernels can use exp2; the lse
+they write is converted back to natural log. Running maxima start at a large finite negative
+value, not -inf, so a row that sees no key in a tile never computes (-inf) - (-inf).
+
+`DOT_DT` is the dtype fed to tl.dot: the pool dtype on a GPU; float32 under the CPU
+interpreter for bf16, whose numpy emulation multiplies raw bf16 bits. `P_DT` is the pool dtype:
+probabilities are rounded to it before P.V, as on the GPU.
+"""
+
+import triton
+import triton.language as tl
+
+LN2: tl.constexpr = 0.6931471805599453
+NEG_BIG: tl.constexpr = -1.0e30
+
+
+@triton.jit
+def tile_scores(q, k, scale_log2, USE_DOT: tl.constexpr, PREC: tl.constexpr):
+    """[M, D] x [N, D] -> [M, N] scaled scores; without a dot, M must be 1 (one query row)."""
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    else:
+        q1 = tl.sum(q.to(tl.float32), axis=0)  # the single row
+        s = tl.sum(q1[None, :] * k.to(tl.float32), axis=1)[None, :]
+    return s * scale_log2
+
+
+@triton.jit
+def softmax_update(
+    s, v, m_i, l_i, acc,
+    P_DT: tl.constexpr, DOT_DT: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Folds one tile of masked scores s [M, N] (-inf where hidden) and values v [N, D] in."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = tl.dot(p.to(P_DT).to(DOT_DT), v, input_precision=PREC)
+    else:
+        p1 = tl.sum(p, axis=0)
+        pv = tl.sum(p1[:, None] * v.to(tl.float32), axis=0)[None, :]
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def write_rows(
+    acc, m_i, l_i, tok, head, row_ok, state,
+    O, Lse, Part_o, Part_lse,
+    stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """Normalises and stores a query tile. tok/head/row_ok: [M]; state: partial-state index."""
+    d = tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (d[None, :] < HEAD_DIM)
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    tok = tok.to(tl.int64)
+    if WRITE_PARTIAL:
+        base = tok * stride_pt + head * stride_ph + state * stride_ps
+        tl.store(Part_o + base[:, None] + d[None, :], out, mask=ok)
+        tl.store(Part_lse + tok * stride_plt + head * stride_plh + state, lse, mask=row_ok)
+    else:
+        dst = tok * stride_ot + head * stride_oh
+        tl.store(O + dst[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=ok)
+        if WRITE_LSE:
+            tl.store(Lse + tok * stride_lt + head * stride_lh, lse, mask=row_ok)

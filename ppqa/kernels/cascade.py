@@ -1,0 +1,172 @@
+"""Shared-prefix (cascade) attention: the document part of a decode step, computed once for
+every request that shares the document.
+
+Requests are grouped by document (CascadeMetadata: group g owns batch rows
+[group_req_indptr[g], group_req_indptr[g+1]) and its document is the row prefix
+req_to_token[doc_req_indices[g], 0:doc_lens[g]]). For each group and KV head, the group's
+queries (requests x the KV head's query heads, as rows) meet the document's keys in a tiled
+matrix-matrix product (tl.dot), instead of one matrix-vector product per request. Grid:
+(query tile, KV head, group x split): query tiles run fastest, so the tiles that read the same
+document piece run together and share it through L2. The document is split along its length
+so that even a few heads x tiles fill the GPU; each split writes a partial state.
+
+The decode step's suffix (row[doc_len : seq_len] per request) goes through decode_attention,
+and the partial states of both are combined by log-sum-exp (`merge_partials`; the backend
+writes both into one buffer and merges once).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ppqa.kernels import _arch
+from ppqa.kernels._ref import masked_attention_ref
+from ppqa.kernels._tile import NEG_BIG, softmax_update, tile_scores, write_rows
+from ppqa.kernels.merge import PartialScratch, merge_partials, partial_buffers, partial_strides
+
+
+@triton.jit
+def _prefix_kernel(
+    Q, Part_o, Part_lse,
+    K_pool, V_pool, Req_to_token, Group_indptr, Doc_req, Doc_lens,
+    scale_log2, state_offset,
+    stride_qt, stride_qh,
+    stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
+    stride_pool_s, stride_pool_h, stride_r2t,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
+):
+    m_tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    REQS: tl.constexpr = BLOCK_M // GROUP  # requests per query tile
+
+    r0 = tl.load(Group_indptr + g)
+    n_req = tl.load(Group_indptr + g + 1) - r0
+    r = tl.arange(0, BLOCK_M)
+    local = m_tile * REQS + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (r < REQS * GROUP) & (local < n_req)
+    tok = r0 + local  # a decode step has one token per request: token index = batch row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
+
+    doc = tl.load(Doc_req + g).to(tl.int64)
+    doc_len = tl.load(Doc_lens + g)
+    chunk = tl.cdiv(tl.cdiv(doc_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, doc_len)
+    hi = tl.where(m_tile * REQS < n_req, hi, lo)  # tiles past the group's requests do nothing
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_head_off = kvh * stride_pool_h
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        c_ok = cols < hi
+        slots = tl.load(Req_to_token + doc * stride_r2t + cols, mask=c_ok, other=0).to(tl.int64)
+        kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
+        kv_mask = c_ok[:, None] & d_ok[None, :]
+        k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
+        v = tl.load(V_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
+        s = tl.where(c_ok[None, :], tile_scores(q, k, scale_log2, True, PREC), float("-inf"))
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
+
+    write_rows(
+        acc, m_i, l_i, tok, head, row_ok, state_offset + split,
+        Part_o, Part_lse, Part_o, Part_lse,
+        0, 0, 0, 0,
+        stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
+        HEAD_DIM, BLOCK_D, True, False,
+    )
+
+
+def _tiling(q: torch.Tensor, group: int, max_group_size: int) -> tuple[_arch.Tiles, int, int]:
+    """(tiles, rows per query tile, query tiles per group and KV head)."""
+    tiles = _arch.prefix_tiles(q.device, q.dtype, max_group_size * group)
+    block_m = max(tiles.block_m, triton.next_power_of_2(group))
+    return tiles, block_m, triton.cdiv(max(max_group_size, 1), block_m // group)
+
+
+def prefix_plan(q: torch.Tensor, num_kv_heads: int, num_groups: int, max_group_size: int,
+                max_doc_len: int, scratch: PartialScratch | None = None,
+                reserved_states: int = 0) -> tuple[int, int]:
+    """(query tiles, splits) for a step; host-side, from the cascade metadata's maxima."""
+    batch, num_heads, head_dim = q.shape
+    _, _, m_tiles = _tiling(q, num_heads // num_kv_heads, max_group_size)
+    cap = (scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS)
+    cap -= reserved_states
+    splits = _arch.choose_splits(m_tiles * num_kv_heads * num_groups, max_doc_len, q.device, cap)
+    return m_tiles, splits
+
+
+def launch_shared_prefix(
+    q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
+    max_group_size: int, sm_scale: float, num_splits: int, part_o, part_lse,
+    state_offset: int = 0,
+) -> None:
+    """Partial states of the document part into part_o[:, :, state_offset : +num_splits]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    tiles, block_m, m_tiles = _tiling(q, group, max_group_size)
+    num_groups = doc_req_indices.shape[0]
+    dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
+    _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
+        q, part_o, part_lse,
+        k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
+        sm_scale * math.log2(math.e), state_offset,
+        q.stride(0), q.stride(1), *partial_strides(part_o, part_lse, True),
+        k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        DOT_DT=dot_dt, P_DT=p_dt, PREC=prec,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def shared_prefix_attention(
+    q, o, lse, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
+    max_group_size: int, max_doc_len: int, sm_scale: float,
+    num_splits: int | None = None, scratch: PartialScratch | None = None,
+) -> int:
+    """Writes o [B, Hq, D] and lse [B, Hq] (natural log) of each request's query against its
+    group's document only. q [B, Hq, D], one decode token per request. Returns the splits."""
+    batch, num_heads, head_dim = q.shape
+    if batch == 0:
+        return 0
+    if num_splits is None:
+        _, num_splits = prefix_plan(q, k_pool.shape[1], doc_req_indices.shape[0],
+                                    max_group_size, max_doc_len, scratch)
+    part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
+    launch_shared_prefix(q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices,
+                         doc_lens, max_group_size, sm_scale, num_splits, part_o, part_lse)
+    merge_partials(part_o, part_lse, o, lse)
+    return num_splits
+
+
+def shared_prefix_attention_ref(
+    q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens, sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 (o, lse): every request of group g against the group's document, densely."""
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    for g in range(doc_req_indices.shape[0]):
+        b0, b1 = int(group_req_indptr[g]), int(group_req_indptr[g + 1])
+        row = req_to_token[int(doc_req_indices[g]), : int(doc_lens[g])].long().cpu()
+        if b1 == b0 or len(row) == 0:
+            continue
+        mask = torch.ones(b1 - b0, len(row), dtype=torch.bool)
+        o[b0:b1], lse[b0:b1] = masked_attention_ref(
+            q[b0:b1].cpu(), k_pool.cpu()[row], v_pool.cpu()[row], mask, sm_scale
+        )
+    return o, lse

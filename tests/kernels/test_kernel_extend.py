@@ -1,0 +1,81 @@
+"""extend_attention against its float64 reference on engine-shaped parallel-prompting steps:
+document prefill, packed question prefill, then four decode steps of P tokens per request."""
+
+import math
+
+import pytest
+import torch
+from checks import DEVICE, DTYPES, HEADS, ON_GPU, assert_close_to_ref, poisoned
+from kernel_inputs import Pool, parallel_step
+
+from ppqa.kernels.extend_attention import extend_attention, extend_attention_ref
+
+# (document tokens, streams per request, requests)
+LAYOUTS = [(37, 1, 1), (300, 5, 3), (1000, 64, 1)] + ([(1000, 16, 4)] if ON_GPU else [])
+PHASES = ["doc", "questions", 1, 2, 3, 4]
+
+
+def run_step(batch, pool, dtype, sm_scale, what, **kwargs):
+    o = poisoned(batch.q.shape, dtype)
+    lse = poisoned(batch.q.shape[:2])
+    extend_attention(
+        batch.q, batch.k_new, batch.v_new, o, pool.k, pool.v, batch.req_to_token,
+        batch.req_indices, batch.kv_start, batch.prefix_lens, batch.qo_indptr, batch.q_sid,
+        batch.slot_sid, batch.max_extend_len, sm_scale, lse=lse,
+        max_prefix_len=int(batch.prefix_lens.max()), **kwargs,
+    )
+    ref_o, ref_lse = extend_attention_ref(
+        batch.q, batch.k_new, batch.v_new, pool.k, pool.v, batch.req_to_token,
+        batch.req_indices, batch.kv_start, batch.prefix_lens, batch.qo_indptr, batch.q_sid,
+        batch.slot_sid, sm_scale,
+    )
+    assert_close_to_ref(o, ref_o, dtype, f"{what} o")
+    assert_close_to_ref(lse, ref_lse, torch.float32 if dtype == torch.float32 else dtype,
+                        f"{what} lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"doc{x[0]}p{x[1]}b{x[2]}")
+def test_extend_matches_reference(layout, heads, dtype):
+    doc_len, streams, requests = layout
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(doc_len * 131 + streams)
+    question_lens = [torch.randint(1, 10, (streams,), generator=gen).tolist()
+                     for _ in range(requests)]
+    for phase in PHASES:
+        pool = Pool(doc_len + requests * streams * 14 + 64, num_kv_heads, head_dim, dtype,
+                    DEVICE, gen)
+        batch = parallel_step(pool, doc_len, question_lens, phase, num_heads, head_dim, gen, DEVICE)
+        run_step(batch, pool, dtype, 1 / math.sqrt(head_dim), f"{layout} {phase}")
+
+
+def test_extend_forced_splits_match_one_split():
+    """Many splits (more than the row has tiles, so some are empty) give the same answer."""
+    gen = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_dim = HEADS[1]
+    pool = Pool(600, num_kv_heads, head_dim, torch.float32, DEVICE, gen)
+    batch = parallel_step(pool, 300, [[3, 1, 4], [1, 5, 9]], 2, num_heads, head_dim, gen, DEVICE)
+    for splits in (1, 3, 17):
+        run_step(batch, pool, torch.float32, 0.25, f"splits={splits}", num_splits=splits)
+
+
+def test_extend_hides_other_streams():
+    """Changing another stream's K/V must not change a stream's output (the mask is real)."""
+    gen = torch.Generator().manual_seed(11)
+    num_heads, num_kv_heads, head_dim = HEADS[0]
+    pool = Pool(400, num_kv_heads, head_dim, torch.float32, DEVICE, gen)
+    batch = parallel_step(pool, 37, [[2, 3, 2, 4]], 3, num_heads, head_dim, gen, DEVICE)
+    args = lambda o: (batch.q, batch.k_new, batch.v_new, o, pool.k, pool.v, batch.req_to_token,
+                      batch.req_indices, batch.kv_start, batch.prefix_lens, batch.qo_indptr,
+                      batch.q_sid, batch.slot_sid, batch.max_extend_len, 0.25)
+    before = poisoned(batch.q.shape)
+    extend_attention(*args(before))
+    other = (pool.slot_sid == 2).to(DEVICE)  # stream 2's cached slots
+    pool.k[other] += 3.0
+    pool.v[other] -= 2.0
+    after = poisoned(batch.q.shape)
+    extend_attention(*args(after))
+    stream2 = (batch.q_sid == 2)
+    assert torch.equal(before[~stream2], after[~stream2])
+    assert not torch.allclose(before[stream2], after[stream2])
