@@ -33,8 +33,8 @@ def export(
 
     if job and all_jobs:
         raise InputError("give --job or --all, not both")
-    fmt = export_format(file, format)
     check_destination(file)
+    fmt = export_format(file, format)
     rows = export_rows(open_store(ctx), job_ids=job or None, include_all=all_jobs)
     write_export(rows, file, fmt)
     answered = sum(1 for r in rows if r["answer"] is not None)

@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 
 from ppqa.cli.common import JsonOption, open_store, print_json, say
-from ppqa.cli.render import console, job_summary, jobs_table, questions_table, reports_table
+from ppqa.cli.render import console, job_summary, jobs_table, questions_table, report_details
 from ppqa.store.status import JOB_STATUSES
 
 app = typer.Typer()
@@ -55,4 +55,4 @@ def show(
     out.print(job_summary(detail))
     out.print(questions_table(detail["questions_detail"]))
     if detail["reports"]:
-        out.print(reports_table(detail["reports"]))
+        out.print(report_details(detail["reports"]))

@@ -4,6 +4,7 @@ Tables go to stdout (they are the data); colour follows Rich's terminal detectio
 Commands with `--json` skip this module and print the same dicts as JSON.
 """
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -93,30 +94,41 @@ def questions_table(questions: list[dict]) -> Table:
     return table
 
 
-REPORT_FIELDS = (("Job", "job_id", 0), ("Model", "model", 0), ("Mode", "mode", 0),
-                 ("Device", "device", 0), ("Streams", "streams", 0), ("Batch", "batch_size", 0),
-                 ("Wall s", "wall_seconds", 2), ("Prefill s", "prefill_seconds", 2),
-                 ("Decode s", "decode_seconds", 2), ("Q", "questions", 0),
-                 ("Tokens in/out", None, 0), ("Tok/s", "tokens_per_second", 1),
-                 ("Q/s", "questions_per_second", 2), ("Peak MiB", "peak_memory_bytes", 0))
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:,.0f}"
 
 
 def reports_table(reports: list[dict]) -> Table:
-    table = Table()
-    for title, key, _ in REPORT_FIELDS:
-        table.add_column(title, justify="left" if key in ("model", "mode", "device") else "right")
-    for rep in reports:
-        cells = []
-        for _, key, digits in REPORT_FIELDS:
-            if key is None:
-                cells.append(f"{rep['prompt_tokens']:,}/{rep['answer_tokens']:,}")
-            elif key == "peak_memory_bytes":
-                value = rep[key]
-                cells.append("-" if value is None else f"{value / 2**20:,.0f}")
-            elif isinstance(rep[key], str):
-                cells.append(rep[key])
-            else:
-                cells.append(_num(float(rep[key]) if digits and rep[key] is not None else rep[key],
-                                  digits))
-        table.add_row(*cells)
+    """One row per run, the figures that fit 80 columns (all of them are in --json)."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    for title in ("Job", "Model", "Mode", "Device", "P", "Wall s", "Q", "Tokens",
+                  "Tok/s", "Q/s", "Peak MiB"):
+        if title in ("Model", "Mode", "Device"):
+            table.add_column(title, overflow="fold", min_width=8)
+        else:
+            table.add_column(title, justify="right", no_wrap=True)
+    for r in reports:
+        table.add_row(str(r["job_id"]), r["model"], r["mode"], r["device"], _num(r["streams"]),
+                      _num(r["wall_seconds"]), _num(r["questions"]), _num(r["answer_tokens"]),
+                      _num(r["tokens_per_second"], 1), _num(r["questions_per_second"]),
+                      _mib(r["peak_memory_bytes"]))
+    return table
+
+
+def report_details(reports: list[dict]) -> Table:
+    """Every figure of each run, one line per kind (for `ppqa show`)."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    for n, r in enumerate(reports, start=1):
+        table.add_row(f"Run {n}", f"{r['created_at']} by {r['worker']} on {r['device']}: "
+                      f"{r['model']}, mode {r['mode']}, {_num(r['streams'])} streams, "
+                      f"batch {_num(r['batch_size'])}")
+        table.add_row("", f"wall {_num(r['wall_seconds'])} s (prefill "
+                      f"{_num(r['prefill_seconds'])} s, decode {_num(r['decode_seconds'])} s); "
+                      f"{r['questions']} questions, {r['prompt_tokens']:,} prompt + "
+                      f"{r['answer_tokens']:,} answer tokens")
+        table.add_row("", f"{_num(r['tokens_per_second'], 1)} tokens/s, "
+                      f"{_num(r['questions_per_second'])} questions/s, peak memory "
+                      f"{_mib(r['peak_memory_bytes'])} MiB")
     return table

@@ -77,10 +77,10 @@ def read_document(path: str | Path) -> tuple[str, str]:
 
 def read_questions(path: str | Path) -> list[QuestionInput]:
     suffix = Path(str(path)).suffix.lower()
+    text = read_text(path, "questions file")
     if suffix not in QUESTION_FORMATS:
         raise InputError(f"{path}: unknown questions format {suffix or '(no extension)'!r}; "
                          f"use {', '.join(QUESTION_FORMATS)}")
-    text = read_text(path, "questions file")
     parse = {".txt": _parse_txt, ".jsonl": _parse_jsonl, ".csv": _parse_csv}[suffix]
     questions = parse(text, str(path))
     return check_questions(questions, str(path))

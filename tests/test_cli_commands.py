@@ -1,0 +1,154 @@
+"""The store-facing commands through Typer's CliRunner: ingest (every input form), status,
+jobs, show, report, export, cancel, retry; data on stdout, messages on stderr."""
+
+import csv
+import io
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ppqa.cli.app import app
+from ppqa.store import queue
+from ppqa.store.db import open_db
+
+REPORT = dict(device="cpu", model="tiny", mode="parallel", wall_seconds=2.0, questions=2,
+              prompt_tokens=50, answer_tokens=12, streams=2, batch_size=1,
+              peak_memory_bytes=64 * 2**20)
+
+
+@pytest.fixture
+def cli(tmp_path):
+    db = str(tmp_path / "cli.db")
+
+    def run(*args, input=None, ok=True):
+        result = CliRunner().invoke(app, ["--db", db, *map(str, args)], input=input)
+        if ok:
+            assert result.exit_code == 0, result.stderr
+        return result
+
+    run.db = db
+    return run
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "doc.txt").write_text("Port Wren has three lighthouses.\n", encoding="utf-8")
+    (tmp_path / "q.txt").write_text("How many lighthouses?\n# skip\nWhat town?\n")
+    (tmp_path / "q.jsonl").write_text('{"question": "Lighthouses?", "id": "lh"}\n')
+    (tmp_path / "q.csv").write_text('id,question\nc1,"Town, name?"\n')
+    return tmp_path
+
+
+def test_ingest_each_questions_format(cli, inputs):
+    first = cli("ingest", inputs / "doc.txt", inputs / "q.txt")
+    assert first.stdout == "1\n"
+    assert "queued job 1: 2 questions about 'doc' (document 1, new)" in first.stderr
+    out = json.loads(cli("ingest", inputs / "doc.txt", inputs / "q.jsonl", "--json").stdout)
+    assert out == {"job": 2, "document": 1, "document_name": "doc", "document_is_new": False,
+                   "questions": 1}
+    cli("ingest", inputs / "doc.txt", inputs / "q.csv", "--name", "wren", "--priority", "4",
+        "--max-new-tokens", "16", "--temperature", "0.5", "--seed", "9", "--mode", "parallel",
+        "--model", "smollm2", "--template", "label")
+    detail = json.loads(cli("show", "3", "--json").stdout)
+    assert detail["params"] == {"template": "label", "max_new_tokens": 16, "temperature": 0.5,
+                                "top_p": 1.0, "seed": 9, "mode": "parallel", "model": "smollm2"}
+    assert detail["priority"] == 4 and detail["document_name"] == "doc"
+    assert [(q["question_id"], q["question"]) for q in detail["questions_detail"]] == [
+        ("c1", "Town, name?")]
+
+
+def test_ingest_from_stdin_and_force(cli, inputs):
+    result = cli("ingest", "-", inputs / "q.txt", "--name", "piped", input="Text from a pipe.\n")
+    assert result.stdout == "1\n"
+    refused = cli("ingest", "-", inputs / "q.txt", input="Text from a pipe.\n", ok=False)
+    assert refused.exit_code == 2 and "job 1" in refused.stderr
+    forced = cli("ingest", "-", inputs / "q.txt", "--force", input="Text from a pipe.\n")
+    assert forced.stdout == "2\n"
+    assert "already stored" in forced.stderr
+
+
+def test_ingest_batch(cli, inputs):
+    lines = [{"document_path": "doc.txt", "questions": ["A?", "B?"], "name": "wren"},
+             {"document": "Inline text.", "questions": [{"question": "C?", "id": "c"}],
+              "id": "inline-1", "max_new_tokens": 8}]
+    (inputs / "batch.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    result = cli("ingest", "--batch", inputs / "batch.jsonl", "--json", "--priority", "2")
+    assert [(r["job"], r["document_name"], r["questions"]) for r in json.loads(result.stdout)] == [
+        (1, "wren", 2), (2, "inline-1", 1)]
+    jobs = json.loads(cli("jobs", "--json").stdout)
+    assert [(j["job"], j["priority"], j["params"]["max_new_tokens"]) for j in jobs] == [
+        (2, 2, 8), (1, 2, 128)]
+
+
+def answer_job(db_location, job_id, texts, report=REPORT):
+    db = open_db(db_location)
+    claim = queue.claim_jobs(db, "w1", 60)[0]
+    assert claim.job_id == job_id
+    for q, text in zip(claim.questions, texts):
+        queue.record_answer(db, q.id, text, 6, "stop", worker_id="w1")
+    status = queue.finish_job(db, job_id, "w1", report)
+    db.close()
+    return status
+
+
+def test_status_jobs_show_report(cli, inputs):
+    assert "the queue is empty" in cli("status").stderr
+    cli("ingest", inputs / "doc.txt", inputs / "q.txt")
+    cli("ingest", "-", inputs / "q.jsonl", "--name", "other", input="Other text.")
+    assert answer_job(cli.db, 1, ["Three.", "Port Wren."]) == "done"
+    status = json.loads(cli("status", "--json").stdout)
+    assert status["totals"]["jobs"]["done"] == 1 and status["totals"]["answered"] == 2
+    table = cli("status").stdout
+    assert "doc" in table and "other" in table and "2/2" in table and "2/3" in table
+    listing = cli("jobs").stdout
+    assert "done" in listing and "queued" in listing
+    assert [j["job"] for j in json.loads(cli("jobs", "--status", "queued", "--json").stdout)] == [2]
+    shown = cli("show", "1").stdout
+    assert "Port Wren." in shown and "parallel" in shown and "64" in shown  # report: peak MiB
+    reports = json.loads(cli("report", "--job", "1", "--json").stdout)
+    assert len(reports) == 1 and reports[0]["tokens_per_second"] == 6.0
+    assert reports[0]["peak_memory_bytes"] == 64 * 2**20
+    assert "tiny" in cli("report").stdout
+    assert "no reports yet" in cli("report", "--job", "2").stderr
+
+
+def test_cancel_and_retry(cli, inputs):
+    cli("ingest", inputs / "doc.txt", inputs / "q.txt")
+    assert cli("cancel", "1").stderr == "job 1: cancelled\n"
+    assert json.loads(cli("show", "1", "--json").stdout)["status"] == "cancelled"
+    assert cli("retry", "1").stderr == "job 1: queued\n"
+    assert json.loads(cli("show", "1", "--json").stdout)["status"] == "queued"
+
+
+def test_export(cli, inputs, tmp_path):
+    cli("ingest", inputs / "doc.txt", inputs / "q.txt")
+    cli("ingest", inputs / "doc.txt", inputs / "q.csv")
+    answer_job(cli.db, 1, ['Three, "tall"\nones.', "Port Wren"])
+    out = cli("export", tmp_path / "answers.csv")
+    assert "wrote 2 rows (2 answered) of 1 job" in out.stderr and out.stdout == ""
+    with open(tmp_path / "answers.csv", encoding="utf-8-sig", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["job", "document", "question_id", "question", "answer",
+                             "finish_reason", "tokens", "model", "mode", "finished_at"]
+    assert [(r["question_id"], r["answer"], r["model"]) for r in rows] == [
+        ("1", 'Three, "tall"\nones.', "tiny"), ("2", "Port Wren", "tiny")]
+    stdout_csv = cli("export", "-", "--all").stdout
+    assert len(list(csv.DictReader(io.StringIO(stdout_csv)))) == 3
+    jsonl = cli("export", "-", "--format", "jsonl", "--job", "2").stdout
+    assert [json.loads(line)["question"] for line in jsonl.splitlines()] == ["Town, name?"]
+    cli("export", tmp_path / "all.json", "--job", "1", "--job", "2")
+    assert len(json.loads((tmp_path / "all.json").read_text(encoding="utf-8"))) == 3
+    assert cli("export", "-", "--job", "1", "--all", ok=False).exit_code == 2
+
+
+def test_help_explains_every_option_with_an_example():
+    for command in ("ingest", "status", "jobs", "show", "export", "report", "cancel", "retry"):
+        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0
+        assert f"ppqa {command}" in result.stdout  # the examples section
+    ingest_help = CliRunner().invoke(app, ["ingest", "--help"], env={"COLUMNS": "200"}).stdout
+    for option in ("--name", "--template", "--max-new-tokens", "--temperature", "--seed",
+                   "--priority", "--json", "--batch", "--force", "--top-p", "--mode", "--model"):
+        assert option in ingest_help
+    assert "0.1.0" in CliRunner().invoke(app, ["--version"]).stdout
