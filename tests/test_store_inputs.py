@@ -1,6 +1,7 @@
 """Reading documents, questions files (.txt, .jsonl, .csv), batch files and template names."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,13 @@ def test_templates(tmp_path):
     assert resolve_template(str(custom)) == str(custom.resolve())
     with pytest.raises(InputError, match="unknown template 'nope' \\(built-in: .*qa"):
         resolve_template("nope")
+
+
+def test_examples_are_valid_input():
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    text, name = read_document(examples / "harrowmere.txt")
+    assert name == "harrowmere" and 1500 <= len(text.split()) <= 2500
+    forms = [read_questions(examples / f"questions.{ext}") for ext in ("txt", "jsonl", "csv")]
+    assert [len(f) for f in forms] == [12, 12, 12]
+    assert [q.text for q in forms[0]] == [q.text for q in forms[1]] == [q.text for q in forms[2]]
+    assert [q.custom_id for q in forms[1]] == [q.custom_id for q in forms[2]]
