@@ -96,7 +96,8 @@ def ingest(
             print(r.job_id)
     for r in results:
         stored = "new" if r.document_is_new else "already stored"
-        say(f"queued job {r.job_id}: {r.question_count} questions about "
+        plural = "s" if r.question_count != 1 else ""
+        say(f"queued job {r.job_id}: {r.question_count} question{plural} about "
             f"{r.document_name!r} (document {r.document_id}, {stored})")
 
 

@@ -27,34 +27,40 @@ def _num(value, digits: int = 2) -> str:
     return f"{value:,.{digits}f}" if isinstance(value, float) else f"{value:,}"
 
 
+def _compact() -> Table:
+    """A borderless table: wide listings fit an 80-column terminal."""
+    return Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+
+
 def status_table(data: dict) -> Table:
-    table = Table(title="ppqa queue", title_justify="left")
+    table = _compact()
     table.add_column("Doc", justify="right")
-    table.add_column("Name")
+    table.add_column("Name", overflow="fold")
     for status in ("queued", "running", "done", "failed", "cancelled"):
-        table.add_column(status.capitalize(), justify="right", style=STATUS_STYLE[status])
+        table.add_column(status.capitalize(), justify="right")
     table.add_column("Answered", justify="right")
     for doc in data["documents"]:
         jobs = doc["jobs"]
-        table.add_row(str(doc["document"]), doc["name"], *[str(jobs[s]) for s in jobs],
+        table.add_row(str(doc["document"]), doc["name"],
+                      *[Text(str(jobs[s]), style=STATUS_STYLE[s] if jobs[s] else "dim") for s in jobs],
                       f"{doc['answered']}/{doc['questions']}")
     totals = data["totals"]
     table.add_section()
-    table.add_row("", "all", *[str(n) for n in totals["jobs"].values()],
+    table.add_row("", "all documents", *[str(n) for n in totals["jobs"].values()],
                   f"{totals['answered']}/{totals['questions']}")
     return table
 
 
 def jobs_table(jobs: list[dict]) -> Table:
-    table = Table()
+    table = _compact()
     for name, justify in (("Job", "right"), ("Document", "left"), ("Status", "left"),
                           ("Answered", "right"), ("Prio", "right"), ("Tries", "right"),
                           ("Created (UTC)", "left"), ("Worker", "left")):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, overflow="fold")
     for job in jobs:
         table.add_row(str(job["job"]), job["document_name"], _status(job["status"]),
                       f"{job['answered']}/{job['questions']}", str(job["priority"]),
-                      str(job["attempts"]), (job["created_at"] or "").replace("T", " ")[:19],
+                      str(job["attempts"]), (job["created_at"] or "").replace("T", " ")[:16],
                       job["lease_owner"] or "")
     return table
 
@@ -100,7 +106,7 @@ def _mib(value) -> str:
 
 def reports_table(reports: list[dict]) -> Table:
     """One row per run, the figures that fit 80 columns (all of them are in --json)."""
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    table = _compact()
     for title in ("Job", "Model", "Mode", "Device", "P", "Wall s", "Q", "Tokens",
                   "Tok/s", "Q/s", "Peak MiB"):
         if title in ("Model", "Mode", "Device"):
