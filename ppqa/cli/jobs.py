@@ -53,6 +53,8 @@ def show(
         return
     out = console()
     out.print(job_summary(detail))
+    out.print()
     out.print(questions_table(detail["questions_detail"]))
     if detail["reports"]:
+        out.print()
         out.print(report_details(detail["reports"]))

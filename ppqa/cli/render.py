@@ -87,7 +87,7 @@ def job_summary(job: dict) -> Table:
 
 
 def questions_table(questions: list[dict]) -> Table:
-    table = Table()
+    table = _compact()
     table.add_column("Id", justify="right")
     table.add_column("Question", ratio=1)
     table.add_column("Answer", ratio=2)
