@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from ppqa.engine.tokenizer import ByteTokenizer, Prompt
-from tests.fixtures_models import smollm2, smollm2_gguf  # noqa: F401 -- fixtures
 
 DOC = "The Eiffel Tower is in Paris. It was finished in 1889 and is 330 metres tall."
 QUESTIONS = ["Where is the tower?", "When was it finished?", "How tall is it, in metres?"]
