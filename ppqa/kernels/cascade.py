@@ -90,23 +90,23 @@ def _prefix_kernel(
     )
 
 
-def _tiling(q: torch.Tensor, group: int, max_group_size: int) -> tuple[_arch.Tiles, int, int]:
+def _tiling(device, dtype, group: int, max_group_size: int) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per group and KV head)."""
-    tiles = _arch.prefix_tiles(q.device, q.dtype, max_group_size * group)
+    tiles = _arch.prefix_tiles(device, dtype, max_group_size * group)
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     return tiles, block_m, triton.cdiv(max(max_group_size, 1), block_m // group)
 
 
-def prefix_plan(q: torch.Tensor, num_kv_heads: int, num_groups: int, max_group_size: int,
-                max_doc_len: int, scratch: PartialScratch | None = None,
-                reserved_states: int = 0) -> tuple[int, int]:
-    """(query tiles, splits) for a step; host-side, from the cascade metadata's maxima."""
-    batch, num_heads, head_dim = q.shape
-    _, _, m_tiles = _tiling(q, num_heads // num_kv_heads, max_group_size)
-    cap = (scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS)
-    cap -= reserved_states
-    splits = _arch.choose_splits(m_tiles * num_kv_heads * num_groups, max_doc_len, q.device, cap)
-    return m_tiles, splits
+def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int, num_groups: int, max_group_size: int,
+                  max_doc_len: int, scratch: PartialScratch | None = None,
+                  reserved_states: int = 0) -> int:
+    """Document splits for a step; host-side, from the cascade metadata's maxima.
+    reserved_states: scratch states already promised to the suffix's decode splits."""
+    _, _, m_tiles = _tiling(device, dtype, num_heads // num_kv_heads, max_group_size)
+    cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
+    cap = max(1, cap - reserved_states)
+    return _arch.choose_splits(m_tiles * num_kv_heads * num_groups, max_doc_len, device, cap)
 
 
 def launch_shared_prefix(
@@ -118,7 +118,7 @@ def launch_shared_prefix(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    tiles, block_m, m_tiles = _tiling(q, group, max_group_size)
+    tiles, block_m, m_tiles = _tiling(q.device, q.dtype, group, max_group_size)
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
@@ -145,8 +145,9 @@ def shared_prefix_attention(
     if batch == 0:
         return 0
     if num_splits is None:
-        _, num_splits = prefix_plan(q, k_pool.shape[1], doc_req_indices.shape[0],
-                                    max_group_size, max_doc_len, scratch)
+        num_splits = prefix_splits(q.device, q.dtype, batch, num_heads, k_pool.shape[1],
+                                   head_dim, doc_req_indices.shape[0], max_group_size,
+                                   max_doc_len, scratch)
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_shared_prefix(q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices,
                          doc_lens, max_group_size, sm_scale, num_splits, part_o, part_lse)

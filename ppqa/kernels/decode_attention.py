@@ -83,12 +83,11 @@ def _decode_kernel(
     )
 
 
-def decode_splits(q: torch.Tensor, num_kv_heads: int, max_seq_len: int,
-                  scratch: PartialScratch | None = None) -> int:
+def decode_splits(device: torch.device, batch: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, max_seq_len: int, scratch: PartialScratch | None = None) -> int:
     """The split count decode_attention picks: fill the SMs, >= MIN_SPLIT_TOKENS keys a piece."""
-    batch, num_heads, head_dim = q.shape
     cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
-    return _arch.choose_splits(batch * num_kv_heads, max_seq_len, q.device, cap)
+    return _arch.choose_splits(batch * num_kv_heads, max_seq_len, device, cap)
 
 
 def launch_decode(
@@ -138,7 +137,8 @@ def decode_attention(
         return 0
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else req_to_token.shape[1]
-        num_splits = decode_splits(q, k_pool.shape[1], bound, scratch)
+        num_splits = decode_splits(q.device, batch, num_heads, k_pool.shape[1], head_dim, bound,
+                                   scratch)
     if num_splits == 1:
         launch_decode(q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale,
                       1, o=o, lse=lse, seq_len_offset=seq_len_offset)

@@ -124,6 +124,22 @@ def _extend_kernel(
     )
 
 
+def _tiling(device, dtype, group: int, max_extend_len: int) -> tuple[_arch.Tiles, int, int]:
+    """(tiles, rows per query tile, query tiles per request and KV head)."""
+    tiles = _arch.extend_tiles(device, dtype, max_extend_len * group)
+    block_m = max(tiles.block_m, triton.next_power_of_2(group))
+    return tiles, block_m, triton.cdiv(max(max_extend_len, 1), block_m // group)
+
+
+def extend_splits(device: torch.device, dtype: torch.dtype, batch: int, num_tokens: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int, max_extend_len: int,
+                  max_prefix_len: int, scratch: PartialScratch | None = None) -> int:
+    """The split count extend_attention picks (host-side, from shapes and maxima only)."""
+    _, _, m_tiles = _tiling(device, dtype, num_heads // num_kv_heads, max_extend_len)
+    cap = scratch.max_states(num_tokens, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
+    return _arch.choose_splits(batch * num_kv_heads * m_tiles, max_prefix_len, device, cap)
+
+
 def extend_attention(
     q, k_new, v_new, o, k_pool, v_pool, req_to_token, req_indices, kv_start, prefix_lens,
     qo_indptr, q_sid, slot_sid, max_extend_len: int, sm_scale: float,
@@ -143,13 +159,11 @@ def extend_attention(
         return 0
     group = num_heads // num_kv_heads
     device = q.device
-    tiles = _arch.extend_tiles(device, q.dtype, max_extend_len * group)
-    block_m = max(tiles.block_m, triton.next_power_of_2(group))
-    m_tiles = triton.cdiv(max(max_extend_len, 1), block_m // group)
+    tiles, block_m, m_tiles = _tiling(device, q.dtype, group, max_extend_len)
     if num_splits is None:
         bound = max_prefix_len if max_prefix_len is not None else req_to_token.shape[1]
-        cap = scratch.max_states(num_tokens, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
-        num_splits = _arch.choose_splits(batch * num_kv_heads * m_tiles, bound, device, cap)
+        num_splits = extend_splits(device, q.dtype, batch, num_tokens, num_heads, num_kv_heads,
+                                   head_dim, max_extend_len, bound, scratch)
     write_partial = num_splits > 1
     if write_partial:
         part_o, part_lse = partial_buffers(scratch, num_tokens, num_heads, num_splits, head_dim, device)

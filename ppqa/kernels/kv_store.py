@@ -14,20 +14,25 @@ import triton.language as tl
 
 @triton.jit
 def _store_kernel(
-    K_pool, V_pool, Slots, K, V,
+    K_pool, V_pool, Slots, K, V, num_tokens,
     stride_pool_s, stride_pool_h, stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    slot = tl.load(Slots + t).to(tl.int64)
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    t_ok = t < num_tokens
+    slot = tl.load(Slots + t, mask=t_ok, other=0).to(tl.int64)
+    t = t.to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    ok = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    dst = slot * stride_pool_s + h[:, None] * stride_pool_h + d[None, :]
-    k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=ok)
+    hd_ok = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    ok = t_ok[:, None, None] & hd_ok[None, :, :]
+    dst = slot[:, None, None] * stride_pool_s + (h[:, None] * stride_pool_h + d[None, :])[None]
+    k = tl.load(K + t[:, None, None] * stride_kt + (h[:, None] * stride_kh + d[None, :])[None],
+                mask=ok)
     tl.store(K_pool + dst, k.to(K_pool.dtype.element_ty), mask=ok)
-    v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
+    v = tl.load(V + t[:, None, None] * stride_vt + (h[:, None] * stride_vh + d[None, :])[None],
+                mask=ok)
     tl.store(V_pool + dst, v.to(V_pool.dtype.element_ty), mask=ok)
 
 
@@ -44,10 +49,13 @@ def store_kv(
     assert k_pool.shape[1:] == (num_kv_heads, head_dim), (k_pool.shape, k.shape)
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(2) == 1
     assert k.stride(2) == 1 and v.stride(2) == 1
-    _store_kernel[(num_tokens,)](
-        k_pool, v_pool, out_slots, k, v,
+    # One token per program on a GPU (a row is 1-16 KiB); many under the interpreter, where
+    # each program costs milliseconds.
+    tokens = 1 if k.device.type == "cuda" else 64
+    _store_kernel[(triton.cdiv(num_tokens, tokens),)](
+        k_pool, v_pool, out_slots, k, v, num_tokens,
         k_pool.stride(0), k_pool.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, TOKENS=tokens,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
     )

@@ -30,3 +30,10 @@ def assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype
     rel = float(err.norm() / ref[finite].norm().clamp_min(1e-30)) if err.numel() else 0.0
     print(f"{what} {str(dtype).split('.')[-1]}: max abs err {max_err:.2e}, rel err norm {rel:.2e}")
     assert max_err <= ATOL[dtype], f"{what}: max abs error {max_err:.3e} > {ATOL[dtype]:.0e}"
+
+
+def case_id(value) -> str:
+    """Readable pytest ids: (37, 1, 1) -> 37x1x1, torch.bfloat16 -> bfloat16."""
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
+    return str(value).split(".")[-1]

@@ -1,0 +1,120 @@
+"""The GPU attention backend: maps each step's ForwardMetadata onto the Triton kernels.
+
+Per step (`init_forward_metadata`, called by the runner once; `forward` also notices a new
+`meta`), the backend fixes the host-side launch plan: the split count of each kernel, from the
+batch shape, the metadata's maxima and the SM count. Per layer, `forward`:
+  1. scatters the step's K/V into the layer's pool buffers (`store_kv`);
+  2. "extend" (prefill, question prefill, every `parallel` decode step): `extend_attention`
+     with the stream rule from meta.q_sid and pool.slot_sid;
+     "decode" (stock): `decode_attention` over row[kv_start, prefix_len + 1);
+     "decode" with meta.cascade: the suffix row[doc_len, prefix_len + 1) per request
+     (decode kernel) and the group's document (shared-prefix kernel) each write partial states
+     into one preallocated buffer, which one merge launch reduces to the output.
+Partial states live in a `PartialScratch` allocated once, so split launches allocate nothing
+and keep fixed addresses (CUDA graph capture); splits are capped to what it holds.
+Under TRITON_INTERPRET=1 the same code runs on CPU tensors (slowly), which the tests use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ppqa.engine.attention import ForwardMetadata
+from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits
+from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
+from ppqa.kernels.extend_attention import extend_attention, extend_splits
+from ppqa.kernels.kv_store import store_kv
+from ppqa.kernels.merge import PartialScratch, merge_partials
+
+# Partial-state scratch: 256 MiB on a GPU holds 64 splits of 64 tokens x 32 heads x 128 dims
+# (or 16 splits of a 256-request decode step); the CPU interpreter needs far less.
+GPU_SCRATCH_BYTES = 256 << 20
+CPU_SCRATCH_BYTES = 16 << 20
+
+
+@dataclass
+class StepPlan:
+    """Host-side launch choices for one step, shared by every layer."""
+
+    splits: int  # extend or decode splits (suffix splits for cascade)
+    prefix_splits: int = 0  # cascade: document splits
+
+
+class TritonBackend:
+    def __init__(self, pool, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
+                 scratch_bytes: int | None = None) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        self.pool = pool
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sm_scale = sm_scale
+        self.device = pool.k_buffers[0].device
+        self.dtype = pool.k_buffers[0].dtype
+        if scratch_bytes is None:
+            scratch_bytes = GPU_SCRATCH_BYTES if self.device.type == "cuda" else CPU_SCRATCH_BYTES
+        self.scratch = PartialScratch(scratch_bytes // 4, self.device)
+        self._meta: ForwardMetadata | None = None
+        self._plan = StepPlan(1)
+
+    def init_forward_metadata(self, meta: ForwardMetadata) -> None:
+        self._plan = self.plan(meta)
+        self._meta = meta
+
+    def plan(self, meta: ForwardMetadata) -> StepPlan:
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        if meta.kind == "extend":
+            return StepPlan(extend_splits(self.device, self.dtype, meta.batch_size,
+                                          meta.num_tokens, *heads, meta.max_extend_len,
+                                          meta.max_prefix_len, self.scratch))
+        # A decode row ends at prefix_len + 1; for cascade that bounds the suffix as well.
+        splits = decode_splits(self.device, meta.batch_size, *heads, meta.max_prefix_len + 1,
+                               self.scratch)
+        if meta.cascade is None:
+            return StepPlan(splits)
+        casc = meta.cascade
+        # Leave at least half the scratch's states to the document part.
+        cap = self.scratch.max_states(meta.batch_size, self.num_heads, self.head_dim)
+        splits = max(1, min(splits, cap // 2))
+        doc = prefix_splits(self.device, self.dtype, meta.batch_size, *heads,
+                            casc.doc_req_indices.shape[0], casc.max_group_size, casc.max_doc_len,
+                            self.scratch, reserved_states=splits)
+        return StepPlan(splits, doc)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: ForwardMetadata) -> torch.Tensor:
+        k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        store_kv(k_buf, v_buf, meta.out_slots, k, v)
+        if self._meta is not meta:
+            self.init_forward_metadata(meta)
+        plan = self._plan
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.kind == "extend":
+            extend_attention(q, k, v, o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
+                             meta.kv_start, meta.prefix_lens, meta.qo_indptr, meta.q_sid,
+                             self.pool.slot_sid, meta.max_extend_len, self.sm_scale,
+                             num_splits=plan.splits, scratch=self.scratch)
+        elif meta.cascade is None:
+            decode_attention(q, o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
+                             meta.kv_start, meta.prefix_lens, self.sm_scale,
+                             num_splits=plan.splits, scratch=self.scratch, seq_len_offset=1)
+        else:
+            self._cascade(q, o, k_buf, v_buf, meta, plan)
+        return o
+
+    def _cascade(self, q, o, k_buf, v_buf, meta: ForwardMetadata, plan: StepPlan) -> None:
+        """Suffix states [0, splits) and document states [splits, splits + prefix_splits) of
+        one buffer, then a single merge."""
+        casc = meta.cascade
+        states = plan.splits + plan.prefix_splits
+        part_o, part_lse = self.scratch.views(q.shape[0], self.num_heads, states, self.head_dim)
+        launch_decode(q, k_buf, v_buf, meta.req_to_token, meta.req_indices, meta.kv_start,
+                      meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,
+                      part_lse=part_lse, seq_len_offset=1)
+        launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
+                             casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
+                             self.sm_scale, plan.prefix_splits, part_o, part_lse,
+                             state_offset=plan.splits)
+        merge_partials(part_o, part_lse, o)
