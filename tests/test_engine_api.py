@@ -1,0 +1,194 @@
+"""The public API's contract: lazy imports, validation, clear errors, `run` with on_error and
+should_stop. Also the small helpers the other engine tests share (tiny engines, a plain template,
+seeded text).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppqa import Engine, EngineConfig, PromptTooLongError, QuestionRequest, SamplingParams
+
+# A template whose prefix is the document itself and whose suffix is the question itself, so tests
+# control token counts exactly (ByteTokenizer: one token per ASCII character, plus BOS).
+PLAIN_TEMPLATE = "{% block prefix %}{{ document }}{% endblock %}{% block question %}{{ question }}{% endblock %}"
+WORDS = "the of river stone light blue seven north market paper quiet window a is on".split()
+
+
+def plain_template(tmp_path: Path) -> str:
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE, encoding="utf-8")
+    return str(path)
+
+
+def text(rng: random.Random, chars: int) -> str:
+    out = ""
+    while len(out) < chars:
+        out += rng.choice(WORDS) + " "
+    return out[:chars]
+
+
+def tiny_engine(preset: str = "tiny-gqa", **config) -> Engine:
+    return Engine(f"dummy:{preset}", device="cpu", config=EngineConfig(**config))
+
+
+# ---- import hygiene ---------------------------------------------------------------------------
+
+
+def test_import_ppqa_is_light_and_engine_avoids_store_packages() -> None:
+    code = (
+        "import sys, ppqa\n"
+        "from ppqa import SamplingParams, EngineConfig, QuestionRequest\n"
+        "assert 'torch' not in sys.modules, 'import ppqa pulled in torch'\n"
+        "assert ppqa.__version__ == '0.1.0'\n"
+        "import ppqa.engine.engine, ppqa.engine.engine_setup, ppqa.engine.scheduler\n"
+        "import ppqa.engine.runner, ppqa.engine.torch_backend, ppqa.engine.sampling\n"
+        "bad = [m for m in ('sqlalchemy', 'pydantic', 'gguf', 'platformdirs') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "from ppqa import Engine\n"
+        "assert Engine.__module__ == 'ppqa.engine.engine'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+
+
+def test_unknown_public_name() -> None:
+    import ppqa
+
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        ppqa.Engin  # noqa: B018
+
+
+# ---- dataclass validation ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"seed": -3}, "seed must be None or an integer >= 0"),
+    ({"stop": ("ok", "")}, "stop must hold non-empty strings"),
+])
+def test_sampling_params_checks(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalizes_stop() -> None:
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"attention_backend": "cuda"}, "attention_backend must be one of auto, torch, triton"),
+    ({"kv_token_budget": 3}, "kv_token_budget must be an integer >= 16"),
+    ({"mem_fraction": 1.5}, r"mem_fraction must be in \(0, 1\]"),
+    ({"default_streams": 0}, "default_streams must be an integer >= 1"),
+    ({"dtype": "int8"}, "dtype must be one of float32, bfloat16, float16"),
+])
+def test_engine_config_checks(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_resolution() -> None:
+    eng = tiny_engine("tiny-mha")
+    assert eng.config.device == "cpu" and eng.config.dtype == "float32"
+    assert eng.config.attention_backend == "torch"
+    assert eng.model_name == "dummy:tiny-mha" and eng.model_config.num_layers == 2
+    assert eng.tokenizer.eos_token_ids == [257]
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+def test_answer_argument_errors() -> None:
+    eng = tiny_engine()
+    with pytest.raises(ValueError, match="no questions"):
+        eng.answer("doc", [])
+    with pytest.raises(TypeError, match="not one string"):
+        eng.answer("doc", "a question")
+    with pytest.raises(ValueError, match="unknown mode 'fast'.*stock, parallel, cascade, auto"):
+        eng.answer("doc", ["q?"], mode="fast")
+    with pytest.raises(ValueError, match="streams must be None or an integer >= 1, got 0"):
+        eng.answer("doc", ["q?"], mode="parallel", streams=0)
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 questions"):
+        eng.answer("doc", ["q?"], sampling=[SamplingParams(), SamplingParams()])
+
+
+def test_too_long_for_the_context_names_the_numbers(tmp_path: Path) -> None:
+    eng = tiny_engine()  # context 4096
+    with pytest.raises(PromptTooLongError) as info:
+        eng.answer("x" * 4000, ["q" * 50], sampling=SamplingParams(max_new_tokens=100),
+                   template=plain_template(tmp_path))
+    msg = str(info.value)
+    assert "document (4001 tokens) + question (50 tokens) + max_new_tokens (100) = 4151" in msg
+    assert "context of 4096" in msg
+    assert info.value.needed == 4151 and info.value.available == 4096
+    assert isinstance(info.value, ValueError)
+
+
+def test_pool_too_small_for_one_document_names_the_numbers(tmp_path: Path) -> None:
+    eng = tiny_engine(kv_token_budget=100)
+    with pytest.raises(PromptTooLongError, match=r"= 226 tokens do not fit the KV pool, which holds "
+                                                 r"100 tokens.*kv_token_budget"):
+        eng.answer("d" * 199, ["q" * 10], sampling=SamplingParams(max_new_tokens=16),
+                   template=plain_template(tmp_path))
+
+
+def test_run_reports_unfit_requests_and_answers_the_rest(tmp_path: Path) -> None:
+    eng = tiny_engine(kv_token_budget=300)
+    tmpl = plain_template(tmp_path)
+    sp = SamplingParams(max_new_tokens=4)
+    requests = [QuestionRequest("ok1", "short doc", "q one", sp, tmpl),
+                QuestionRequest("long", "L" * 400, "q", sp, tmpl),
+                QuestionRequest("ok2", "short doc", "q two", sp, tmpl),
+                QuestionRequest("badtmpl", "short doc", "q", sp, "no-such-template")]
+    answers, errors = {}, {}
+    stats = eng.run(requests, mode="parallel", on_answer=lambda r, a: answers.__setitem__(r.key, a),
+                    on_error=lambda r, e: errors.__setitem__(r.key, e))
+    assert set(answers) == {"ok1", "ok2"} and set(errors) == {"long", "badtmpl"}
+    assert isinstance(errors["long"], PromptTooLongError)
+    assert "unknown template 'no-such-template'" in str(errors["badtmpl"])
+    assert stats.questions == 2 and stats.errors == 2 and stats.mode == "parallel"
+    assert stats.streams == 2 and stats.answer_tokens == sum(len(a.token_ids) for a in answers.values())
+    assert all(a.prompt_tokens == 10 + 5 for a in answers.values())  # BOS + "short doc" + "q one"
+
+
+def test_should_stop_drops_in_flight_work_and_frees_the_pool(tmp_path: Path) -> None:
+    eng = tiny_engine()
+    tmpl = plain_template(tmp_path)
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    requests = [QuestionRequest(i, "a document", f"question {i}", sp, tmpl) for i in range(6)]
+    calls = []
+
+    def stop() -> bool:
+        calls.append(1)
+        return len(calls) > 3  # a few steps in, nothing has finished yet
+
+    got = []
+    stats = eng.run(requests, mode="stock", on_answer=lambda r, a: got.append(r.key), should_stop=stop)
+    assert stats.stopped and got == [] and stats.questions == 0
+    parts = eng._parts
+    doc_slots = sum(d.length for d in parts.docs._docs.values())
+    assert parts.pool.allocator.num_free == parts.pool.allocator.capacity - doc_slots
+    assert parts.table.num_free_rows == eng.config.max_batch_requests
+    # The engine still works afterwards, and the cached document is reused.
+    answers = eng.answer("a document", ["question 0"], sampling=sp, template=tmpl)
+    assert len(answers[0].token_ids) == 30 and answers[0].finish_reason == "length"
+
+
+def test_auto_mode_choice(tmp_path: Path) -> None:
+    eng = tiny_engine()
+    sp = SamplingParams(max_new_tokens=2)
+    one = eng.run([QuestionRequest(0, "doc", "q", sp)], mode="auto")
+    many = eng.run([QuestionRequest(i, "doc", f"q{i}", sp) for i in range(5)], mode="auto")
+    assert (one.mode, one.streams) == ("stock", 1)
+    assert (many.mode, many.streams) == ("parallel", 5)  # P = 32 capped at the question count

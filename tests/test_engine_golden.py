@@ -1,0 +1,154 @@
+"""The golden test: `parallel` and `cascade` give exactly the greedy tokens of `stock` (fp32).
+
+Tiny random models (MHA; GQA with q/k/v bias; one KV head with odd sizes and tied embeddings),
+documents of several lengths, questions of unequal lengths, P in (1, 3, 8, 64), and streams that
+finish at different steps: an EOS id chosen among the tokens greedy decoding actually emits (so some
+answers hit it early and others never), per-question max_new_tokens, stop strings and ignore_eos.
+Then several documents in one batch, and a pool small enough that requests wait and documents are
+evicted and prefilled again.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from pathlib import Path
+
+import pytest
+
+from ppqa import Answer, QuestionRequest, SamplingParams
+from tests.test_engine_api import plain_template, text, tiny_engine
+
+MODELS = ["tiny-mha", "tiny-gqa", "tiny-odd"]
+
+
+def pick_eos(answers: list[Answer]) -> int:
+    """A token that greedy emits mid-answer in some answers but not in all of them."""
+    seen = collections.Counter()
+    for a in answers:
+        seen.update(set(a.token_ids[1:-1]))
+    candidates = [t for t, n in seen.most_common() if n < len(answers)]
+    assert candidates, "the random model emitted no usable EOS candidate"
+    return candidates[0]
+
+
+def varied_params(rng: random.Random, answers: list[Answer]) -> list[SamplingParams]:
+    """Per-question budgets, some ignoring EOS, some with a stop string from their own answer."""
+    params = []
+    for a in answers:
+        stop = ()
+        decoded = [c for c in set(a.text[2:-2]) if c.isalpha()]
+        if rng.random() < 0.3 and decoded:
+            stop = (rng.choice(sorted(decoded)),)
+        budget = 12 if rng.random() < 0.5 else rng.randint(1, 12)
+        params.append(SamplingParams(max_new_tokens=budget, stop=stop,
+                                     ignore_eos=rng.random() < 0.2))
+    return params
+
+
+def assert_same(reference: list[Answer], other: list[Answer], label: str) -> None:
+    for i, (r, o) in enumerate(zip(reference, other, strict=True)):
+        assert (o.token_ids, o.finish_reason, o.text) == (r.token_ids, r.finish_reason, r.text), \
+            f"{label}: question {i} differs from stock"
+
+
+@pytest.mark.parametrize("preset", MODELS)
+def test_parallel_and_cascade_match_stock(preset: str, tmp_path: Path) -> None:
+    eng = tiny_engine(preset)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(preset)
+    reasons, lengths = collections.Counter(), set()
+    for doc_chars, n_questions, stream_counts in [(0, 4, (1, 3)), (36, 9, (3, 8)),
+                                                  (299, 66, (8, 64))]:
+        doc = text(rng, doc_chars)  # + BOS: documents of 1, 37 and 300 tokens
+        questions = [text(rng, rng.randint(1, 20)) for _ in range(n_questions)]
+        probe = eng.answer(doc, questions, mode="stock", template=tmpl,
+                           sampling=SamplingParams(max_new_tokens=12, ignore_eos=True))
+        eng.tokenizer.eos_token_ids = [pick_eos(probe)]
+        params = varied_params(rng, probe)
+        stock = eng.answer(doc, questions, mode="stock", sampling=params, template=tmpl)
+        reasons.update(a.finish_reason for a in stock)
+        lengths.update(len(a.token_ids) for a in stock)
+        for streams in stream_counts:
+            parallel = eng.answer(doc, questions, mode="parallel", sampling=params,
+                                  streams=streams, template=tmpl)
+            assert_same(stock, parallel, f"{preset} doc {doc_chars} parallel P={streams}")
+        cascade = eng.answer(doc, questions, mode="cascade", sampling=params, template=tmpl)
+        assert_same(stock, cascade, f"{preset} doc {doc_chars} cascade")
+    # Streams really did finish at different steps, for both reasons.
+    assert reasons["stop"] >= 5 and reasons["length"] >= 5 and len(lengths) >= 6, (reasons, lengths)
+
+
+def several_documents(tmp_path: Path, seed: int) -> list[QuestionRequest]:
+    rng = random.Random(seed)
+    tmpl = plain_template(tmp_path)
+    docs = [text(rng, n) for n in (120, 45, 200, 80)]
+    requests = []
+    for d, doc in enumerate(docs):
+        for q in range(rng.randint(2, 7)):
+            sp = SamplingParams(max_new_tokens=rng.randint(2, 10))
+            requests.append(QuestionRequest((d, q), doc, text(rng, rng.randint(3, 15)), sp, tmpl))
+    rng.shuffle(requests)  # documents interleaved in the caller's order
+    return requests
+
+
+def answers_of(eng, requests, **kwargs) -> tuple[dict, object]:
+    got = {}
+    stats = eng.run(requests, on_answer=lambda r, a: got.__setitem__(r.key, a), **kwargs)
+    assert len(got) == len(requests)
+    return got, stats
+
+
+def stock_reference(requests) -> dict:
+    eng = tiny_engine("tiny-gqa")
+    eng.tokenizer.eos_token_ids = [7]
+    return answers_of(eng, requests, mode="stock")[0]
+
+
+@pytest.mark.parametrize("mode,streams", [("parallel", 3), ("parallel", 64), ("cascade", None)])
+def test_several_documents_in_one_batch(mode: str, streams, tmp_path: Path) -> None:
+    requests = several_documents(tmp_path, seed=5)
+    reference = stock_reference(requests)
+    eng = tiny_engine("tiny-gqa")
+    eng.tokenizer.eos_token_ids = [7]
+    got, stats = answers_of(eng, requests, mode=mode, streams=streams)
+    for key, answer in reference.items():
+        assert got[key].token_ids == answer.token_ids, f"{mode}: {key}"
+    per_doc = collections.Counter(key[0] for key in reference)
+    largest = max(per_doc.values()) if mode == "cascade" else -(-max(per_doc.values()) // streams)
+    assert stats.max_batch_requests > largest  # requests of several documents decoded together
+
+
+@pytest.mark.parametrize("mode", ["stock", "parallel", "cascade"])
+def test_small_pool_waits_and_evicts_documents(mode: str, tmp_path: Path) -> None:
+    requests = several_documents(tmp_path, seed=9)
+    reference = stock_reference(requests)
+    # 330 slots hold the largest document (201 tokens) and a few requests, never all documents.
+    eng = tiny_engine("tiny-gqa", kv_token_budget=330, max_batch_requests=3, max_prefill_tokens=64,
+                      default_streams=2)
+    eng.tokenizer.eos_token_ids = [7]
+    question_tokens = sum(len(r.question) for r in requests)
+    doc_tokens = sum(len(d) + 1 for d in {r.document for r in requests})
+    for round_ in range(2):
+        got, stats = answers_of(eng, requests, mode=mode)
+        for key, answer in reference.items():
+            assert got[key].token_ids == answer.token_ids, f"{mode} round {round_}: {key}"
+        assert stats.max_batch_requests <= 3
+        if round_ == 0:  # each document's requests run together: one prefill per document
+            assert stats.prefilled_tokens == question_tokens + doc_tokens
+        else:  # the pool cannot keep every document: evicted ones are prefilled again
+            assert stats.prefilled_tokens > question_tokens
+    parts = eng._parts
+    assert parts.pool.allocator.num_free == parts.pool.allocator.capacity - sum(
+        d.length for d in parts.docs._docs.values())
+
+
+def test_document_cache_persists_across_runs(tmp_path: Path) -> None:
+    eng = tiny_engine("tiny-mha")
+    tmpl = plain_template(tmp_path)
+    sp = SamplingParams(max_new_tokens=3)
+    requests = [QuestionRequest(i, "a cached document", f"q{i}", sp, tmpl) for i in range(4)]
+    first = eng.run(requests, mode="parallel")
+    second = eng.run(requests, mode="cascade")
+    assert first.prefilled_tokens == 18 + 4 * 2  # BOS + 17 characters, then 4 questions
+    assert second.prefilled_tokens == 4 * 2  # the document was cached: questions only

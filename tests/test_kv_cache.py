@@ -1,0 +1,103 @@
+"""KV memory bookkeeping: slot allocator, req_to_token rows, document cache (refcounts, LRU eviction)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppqa.engine.kv_cache import DocumentCache, KVPool, ReqToTokenTable, SlotAllocator
+
+
+def test_allocator_is_contiguous_first_fit_and_never_hands_out_the_sink() -> None:
+    alloc = SlotAllocator(101)
+    assert alloc.capacity == 100 and alloc.num_free == 100
+    a = alloc.alloc(30)
+    b = alloc.alloc(30)
+    assert a.tolist() == list(range(1, 31)) and b.tolist() == list(range(31, 61))
+    alloc.free(a)
+    c = alloc.alloc(10)  # first fit: the hole left by a
+    assert c.tolist() == list(range(1, 11))
+    d = alloc.alloc(40)  # no hole of 40 except the tail [61, 101)
+    assert d.tolist() == list(range(61, 101))
+    assert alloc.num_free == 20
+    e = alloc.alloc(20)  # exactly the remaining hole
+    assert e.tolist() == list(range(11, 31))
+    assert alloc.alloc(1) is None
+
+
+def test_allocator_gathers_fragments_and_merges_on_free() -> None:
+    alloc = SlotAllocator(21)
+    pieces = [alloc.alloc(4) for _ in range(5)]  # 1..20
+    alloc.free(pieces[0])
+    alloc.free(pieces[2])
+    alloc.free(pieces[4])
+    got = alloc.alloc(10)  # no run of 10: the first free slots, in order
+    assert got.tolist() == [1, 2, 3, 4, 9, 10, 11, 12, 17, 18]
+    alloc.free(got)
+    alloc.free(pieces[1])
+    alloc.free(pieces[3])
+    assert alloc.num_free == 20
+    assert alloc.alloc(20).tolist() == list(range(1, 21))  # merged back into one run
+
+
+def test_allocator_rejects_double_free_and_the_sink() -> None:
+    alloc = SlotAllocator(11)
+    a = alloc.alloc(5)
+    alloc.free(a)
+    with pytest.raises(ValueError, match="freed twice"):
+        alloc.free(a[:2])
+    with pytest.raises(ValueError, match="outside"):
+        alloc.free(torch.tensor([0]))
+
+
+def test_pool_views_share_one_tensor() -> None:
+    pool = KVPool(9, 3, 2, 4, dtype=torch.float32, device=torch.device("cpu"))
+    pool.k_buffers[1][5] = 7.0
+    pool.v_buffers[2][3] = 1.0
+    assert pool.kv[0, 1, 5].eq(7.0).all() and pool.kv[1, 2, 3].eq(1.0).all()
+    assert pool.slot_sid.tolist() == [-1] * 9
+    assert KVPool.bytes_per_slot(3, 2, 4, torch.bfloat16) == 2 * 3 * 2 * 4 * 2
+
+
+def test_table_rows_and_row_length_check() -> None:
+    table = ReqToTokenTable(2, 8, torch.device("cpu"))
+    rows = {table.alloc(), table.alloc()}
+    assert rows == {1, 2} and table.alloc() is None  # row 0 is scratch, never handed out
+    table.write(1, 2, torch.tensor([5, 6]))
+    assert table.table[1, :4].tolist() == [0, 0, 5, 6]
+    with pytest.raises(ValueError, match="row length 8"):
+        table.write(1, 6, torch.tensor([1, 2, 3]))
+
+
+def test_document_cache_shares_refcounts_and_evicts_least_recently_used() -> None:
+    alloc = SlotAllocator(31)
+    docs = DocumentCache(alloc)
+    a = docs.insert(list(range(10)))
+    b = docs.insert(list(range(100, 110)))
+    c = docs.insert(list(range(200, 205)))
+    assert a.slots.tolist() == list(range(1, 11)) and alloc.num_free == 5
+    assert docs.get(list(range(10))) is a  # lookup by content
+    docs.acquire(a)
+    docs.acquire(b)
+    docs.release(b)  # b used after c: c is now the least recently used unused document
+    assert docs.alloc(8) is not None  # needs 3 more slots: evicts c only
+    assert docs.get(list(range(200, 205))) is None and docs.get(list(range(100, 110))) is b
+    assert docs.alloc(10) is not None  # evicts b; a is in use and stays
+    assert len(docs) == 1 and docs.get(list(range(10))) is a
+    assert docs.alloc(5) is None  # only a (in use) is left: nothing can be evicted
+    with pytest.raises(RuntimeError, match="in use"):
+        docs.drop(a)
+    docs.release(a)
+    with pytest.raises(RuntimeError, match="released more often"):
+        docs.release(a)
+    docs.clear()
+    assert len(docs) == 0 and alloc.num_free == 12
+
+
+def test_document_cache_insert_fails_cleanly_when_pool_is_full() -> None:
+    alloc = SlotAllocator(11)
+    docs = DocumentCache(alloc)
+    a = docs.insert(list(range(8)))
+    docs.acquire(a)
+    assert docs.insert(list(range(50, 55))) is None
+    assert alloc.num_free == 2 and len(docs) == 1
