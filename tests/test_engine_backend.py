@@ -1,0 +1,146 @@
+"""The torch attention backend against a float64 reference written with plain loops.
+
+A small pool holds two documents shared by several request rows (MHA and GQA). The extend kind is
+checked on a parallel decode step (stream masks over cached and new keys) and a question prefill;
+the decode kind and the cascade split (document part per group + suffix part, merged by LSE) on a
+stock-like step, where cascade must equal plain decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppqa.engine.kv_cache import KVPool, ReqToTokenTable
+from ppqa.engine.layout import StepLayout
+from ppqa.engine.runner import ModelRunner, StepInputs
+from ppqa.engine.torch_backend import TorchBackend, merge_partials
+
+CPU = torch.device("cpu")
+DIM = 8
+
+
+def reference(q, keys, values, allowed, scale) -> torch.Tensor:
+    """q [H, D], keys/values [m, KVH, D], allowed [m] -> [H, D] in float64."""
+    heads, kv_heads = q.shape[0], keys.shape[1]
+    out = []
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        scores = (keys[:, kv].double() @ q[h].double()) * scale
+        scores[~allowed] = float("-inf")
+        out.append(torch.softmax(scores, 0) @ values[:, kv].double())
+    return torch.stack(out)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32 results against the float64 reference."""
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+class Setup:
+    def __init__(self, heads: int, kv_heads: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.gen, self.heads, self.kv_heads = gen, heads, kv_heads
+        self.pool = KVPool(200, 2, kv_heads, DIM, dtype=torch.float32, device=CPU)
+        self.pool.kv.normal_(generator=gen)
+        self.table = ReqToTokenTable(4, 100, CPU)
+        self.backend = TorchBackend(self.pool, heads, kv_heads, DIM, DIM ** -0.5)
+        self.runner = ModelRunner(None, self.pool, self.table, self.backend, CPU)
+        doc_a, doc_b = torch.arange(1, 38), torch.arange(40, 60)  # 37 and 20 tokens
+        self.docs = {1: doc_a, 2: doc_a, 3: doc_b}  # rows 1 and 2 share document A
+        own = {1: torch.arange(70, 85), 2: torch.arange(90, 101), 3: torch.arange(110, 130)}
+        for row in (1, 2, 3):
+            self.table.write(row, 0, torch.cat([self.docs[row], own[row]]))
+        self.pool.slot_sid[1:60] = -1
+
+    def new_qkv(self, tokens: int):
+        q = torch.randn(tokens, self.heads, DIM, generator=self.gen)
+        k = torch.randn(tokens, self.kv_heads, DIM, generator=self.gen)
+        v = torch.randn(tokens, self.kv_heads, DIM, generator=self.gen)
+        return q, k, v
+
+    def row_kv(self, layer: int, row: int, start: int, end: int):
+        slots = self.table.table[row, start:end].long()
+        return (self.pool.k_buffers[layer][slots], self.pool.v_buffers[layer][slots],
+                self.pool.slot_sid[slots])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
+def test_extend_applies_the_stream_rule(heads: int, kv_heads: int) -> None:
+    s = Setup(heads, kv_heads, seed=heads)
+    # Rows 1 and 3 already hold 3 streams' tokens after their documents (sids as a parallel row).
+    cached = {1: 37 + 9, 3: 20 + 6}
+    s.pool.slot_sid[s.table.table[1, 37:46].long()] = torch.tensor([0, 0, 1, 2, 2, 2, 0, 1, 2],
+                                                                   dtype=torch.int32)
+    s.pool.slot_sid[s.table.table[3, 20:26].long()] = torch.tensor([0, 1, 1, 2, 0, 2],
+                                                                   dtype=torch.int32)
+    # The step: 3 stream tokens for row 1 (stream 1 finished -> sink), 5 question tokens for row 3.
+    q_sid = torch.tensor([0, 1, 2, 0, 0, 1, 2, 2], dtype=torch.int32)
+    row_pos = torch.tensor([46, -1, 47, 26, 27, 28, 29, 30])
+    layout = StepLayout(torch.arange(8), q_sid, row_pos)
+    step = StepInputs(kind="extend", input_ids=torch.zeros(8, dtype=torch.int64), layout=layout,
+                      qo_indptr=torch.tensor([0, 3, 8]), req_rows=torch.tensor([1, 3]),
+                      kv_start=torch.tensor([0, 0]), prefix_lens=torch.tensor([46, 26]),
+                      logit_indices=torch.arange(8))
+    _, meta = s.runner.prepare(step)
+    assert meta.out_slots[1] == 0 and int(meta.out_slots[0]) == int(s.table.table[1, 46])
+    q, k, v = s.new_qkv(8)
+    out = s.backend.forward(1, q, k, v, meta)
+    for b, (row, first, end) in enumerate([(1, 0, 3), (3, 3, 8)]):
+        ck, cv, csid = s.row_kv(1, row, 0, cached[row])
+        for t in range(first, end):
+            keys = torch.cat([ck, k[first:end]])
+            values = torch.cat([cv, v[first:end]])
+            sids = torch.cat([csid, q_sid[first:end]])
+            causal = torch.cat([torch.ones(len(ck), dtype=torch.bool),
+                                torch.arange(first, end) <= t])
+            allowed = causal & ((sids == -1) | (sids == q_sid[t]))
+            close(out[t], reference(q[t], keys, values, allowed, DIM ** -0.5))
+    # K/V of live tokens landed in their slots.
+    assert torch.equal(s.pool.k_buffers[1][meta.out_slots[2]], k[2])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_decode_and_cascade_match_reference_and_each_other(heads: int, kv_heads: int) -> None:
+    s = Setup(heads, kv_heads, seed=10 + heads)
+    lens = {1: 37 + 5, 2: 37 + 11, 3: 20 + 2}  # row tokens before the step (stock rows, sid 0)
+    for row, n in lens.items():
+        doc_len = len(s.docs[row])
+        s.pool.slot_sid[s.table.table[row, doc_len:n + 1].long()] = 0
+    rows = [1, 2, 3]
+    q, k, v = s.new_qkv(3)
+    outs = {}
+    for cascade in (False, True):
+        step = StepInputs(kind="decode", input_ids=torch.zeros(3, dtype=torch.int64),
+                          layout=StepLayout(torch.tensor([lens[r] for r in rows]),
+                                            torch.zeros(3, dtype=torch.int32),
+                                            torch.tensor([lens[r] for r in rows])),
+                          qo_indptr=torch.arange(4), req_rows=torch.tensor(rows),
+                          kv_start=torch.tensor([37, 37, 20] if cascade else [0, 0, 0]),
+                          prefix_lens=torch.tensor([lens[r] for r in rows]),
+                          logit_indices=torch.arange(3),
+                          cascade_groups=[(0, 2, 37), (2, 3, 20)] if cascade else None)
+        _, meta = s.runner.prepare(step)
+        outs[cascade] = s.backend.forward(0, q, k, v, meta)
+    for b, row in enumerate(rows):
+        keys, values, _ = s.row_kv(0, row, 0, lens[row] + 1)  # includes the token just written
+        expected = reference(q[b], keys, values, torch.ones(len(keys), dtype=torch.bool), DIM ** -0.5)
+        close(outs[False][b], expected)
+        close(outs[True][b], expected)
+
+
+def test_merge_partials_equals_attention_over_the_union() -> None:
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, 30, generator=gen)
+    values = torch.randn(30, 4, generator=gen)
+
+    def part(lo, hi):
+        lse = torch.logsumexp(scores[:, lo:hi], -1)
+        return torch.softmax(scores[:, lo:hi], -1) @ values[lo:hi], lse
+
+    out, lse = merge_partials(*part(0, 12), *part(12, 30))
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ values)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+    empty = torch.full((5,), float("-inf"))  # an empty part (document of 0 tokens) changes nothing
+    out2, _ = merge_partials(torch.zeros(5, 4), empty, *part(0, 30))
+    torch.testing.assert_close(out2, torch.softmax(scores, -1) @ values)
