@@ -33,18 +33,18 @@ from ppqa.kernels.merge import PartialScratch, merge_partials, partial_buffers, 
 def _prefix_kernel(
     Q, Part_o, Part_lse,
     K_pool, V_pool, Req_to_token, Group_indptr, Doc_req, Doc_lens,
-    scale_log2, state_offset,
+    scale_log2, state_offset, num_splits,
     stride_qt, stride_qh,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
     stride_pool_s, stride_pool_h, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    g = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    g = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     REQS: tl.constexpr = BLOCK_M // GROUP  # requests per query tile
 
     r0 = tl.load(Group_indptr + g)
@@ -61,7 +61,7 @@ def _prefix_kernel(
 
     doc = tl.load(Doc_req + g).to(tl.int64)
     doc_len = tl.load(Doc_lens + g)
-    chunk = tl.cdiv(tl.cdiv(doc_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(doc_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, doc_len)
     hi = tl.where(m_tile * REQS < n_req, hi, lo)  # tiles past the group's requests do nothing
@@ -124,11 +124,11 @@ def launch_shared_prefix(
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
         q, part_o, part_lse,
         k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
-        sm_scale * math.log2(math.e), state_offset,
+        sm_scale * math.log2(math.e), state_offset, num_splits,
         q.stride(0), q.stride(1), *partial_strides(part_o, part_lse, True),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

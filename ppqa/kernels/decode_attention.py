@@ -30,12 +30,12 @@ from ppqa.kernels.merge import (
 def _decode_kernel(
     Q, O, Lse, Part_o, Part_lse,
     K_pool, V_pool, Req_to_token, Req_idx, Kv_start, Seq_lens,
-    scale_log2, seq_len_offset, state_offset,
+    scale_log2, seq_len_offset, state_offset, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
     stride_pool_s, stride_pool_h, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -55,7 +55,7 @@ def _decode_kernel(
     req = tl.load(Req_idx + b).to(tl.int64)
     kv0 = tl.load(Kv_start + b)
     kv1 = tl.load(Seq_lens + b) + seq_len_offset
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(kv1 - kv0, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(kv1 - kv0, 0), num_splits), BLOCK_N) * BLOCK_N
     lo = kv0 + split * chunk
     hi = tl.minimum(lo + chunk, kv1)
 
@@ -109,12 +109,12 @@ def launch_decode(
         q, o if o is not None else dummy, lse if lse is not None else dummy,
         part_o if partial else dummy, part_lse if partial else dummy,
         k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens,
-        sm_scale * math.log2(math.e), seq_len_offset, state_offset,
+        sm_scale * math.log2(math.e), seq_len_offset, state_offset, num_splits,
         q.stride(0), q.stride(1), *(o.stride()[:2] if o is not None else (0, 0)),
         *lse_strides(lse), *partial_strides(part_o, part_lse, partial),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_H=tiles.block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        BLOCK_H=tiles.block_m, BLOCK_N=tiles.block_n,
         WRITE_PARTIAL=partial, WRITE_LSE=lse is not None and not partial,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -35,13 +35,13 @@ from ppqa.kernels.merge import (
 def _extend_kernel(
     Q, K_new, V_new, O, Lse, Part_o, Part_lse,
     K_pool, V_pool, Req_to_token, Req_idx, Kv_start, Prefix_lens, Qo_indptr, Q_sid, Slot_sid,
-    scale_log2, num_m_tiles, state_offset,
+    scale_log2, num_m_tiles, state_offset, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
     stride_pool_s, stride_pool_h, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -77,7 +77,7 @@ def _extend_kernel(
     req = tl.load(Req_idx + b).to(tl.int64)
     kv0 = tl.load(Kv_start + b)
     kv1 = tl.load(Prefix_lens + b)
-    chunk = tl.cdiv(tl.cdiv(tl.maximum(kv1 - kv0, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(kv1 - kv0, 0), num_splits), BLOCK_N) * BLOCK_N
     lo = kv0 + split * chunk
     hi = tl.minimum(lo + chunk, kv1)
     hi = tl.where(live, hi, lo)
@@ -97,7 +97,7 @@ def _extend_kernel(
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
 
     # Stage 2: the request's own new tokens, causal within them (only keys j < last row's tok).
-    if split == NUM_SPLITS - 1:
+    if split == num_splits - 1:
         j_hi = tl.where(live, tl.minimum(q_len, tok0 + TOKS), 0)
         for start in range(0, j_hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
@@ -175,12 +175,12 @@ def extend_attention(
     _extend_kernel[grid](
         q, k_new, v_new, o, lse_arg, part_o, part_lse,
         k_pool, v_pool, req_to_token, req_indices, kv_start, prefix_lens, qo_indptr, q_sid, slot_sid,
-        sm_scale * math.log2(math.e), m_tiles, 0,
+        sm_scale * math.log2(math.e), m_tiles, 0, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         o.stride(0), o.stride(1), *lse_strides(lse), *partial_strides(part_o, part_lse, write_partial),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         WRITE_PARTIAL=write_partial, WRITE_LSE=lse is not None,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -1,0 +1,243 @@
+"""Per-layer attention time of one decode step on the GPU: stock vs parallel vs cascade (ours,
+through TritonBackend.forward, the K/V write included) and torch SDPA as a reference point.
+
+Workload (the paper's grid): a document of L tokens, Q questions of 16 tokens, 128 answer
+tokens already generated, so this step is answer token 129. All modes read the same KV slots:
+  stock     Q requests, row [doc][q_i][a_i], one new token each (decode kernel);
+  parallel  Q/P requests of P streams, row [doc][q..][a1_1..a1_P]..., P new tokens (extend);
+  cascade   the stock rows, document once per step for all Q queries + per-request suffix.
+For each: the median time (triton.testing.do_bench, L2 flushed between runs), the floor
+max(unique KV bytes / 4.3 TB/s, useful FLOPs / 790 TFLOP/s), the bytes the kernel reads
+(repeats counted: L2 may serve some) and the achieved rates. Writes JSON after every cell and
+prints a table last. Usage: python benchmarks/kernels.py [--out PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from ppqa.engine.attention import CascadeMetadata, ForwardMetadata  # noqa: E402
+from ppqa.engine.triton_backend import TritonBackend  # noqa: E402
+from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
+
+COPY_BW, MATMUL = 4.3e12, 790e12  # measured on this H200 (KINDS.md); re-measured below
+MODELS = {"codellama-7b": (32, 32, 128), "qwen2.5-7b": (28, 4, 128)}
+Q_TOKENS, ANSWERED = 16, 128
+DTYPE = torch.bfloat16
+# --smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 to check this script's plumbing.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench(fn) -> float:
+    if DEV == "cpu":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def calibrate() -> dict:
+    if DEV == "cpu":
+        return {}
+    x = torch.empty(1 << 29, dtype=torch.uint8, device=DEV)  # 512 MiB
+    y = torch.empty_like(x)
+    copy_ms = bench(lambda: y.copy_(x))
+    a = torch.randn(8192, 8192, dtype=DTYPE, device=DEV)
+    mm_ms = bench(lambda: a @ a)
+    return {"copy_TBps": 2 * x.numel() / copy_ms / 1e9, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
+
+
+class Grid:
+    """One (model, L, Q) cell: the pool and every mode's tables over the same slots."""
+
+    def __init__(self, heads, doc_len: int, questions: int, gen: torch.Generator):
+        self.num_heads, self.num_kv_heads, self.head_dim = heads
+        self.doc_len, self.questions = doc_len, questions
+        own = Q_TOKENS + ANSWERED + 1  # question, answers, this step's token
+        num_slots = 1 + doc_len + questions * own
+        shape = (num_slots, self.num_kv_heads, self.head_dim)
+        self.k = torch.randn(shape, generator=gen).to(DTYPE).to(DEV)
+        self.v = torch.randn(shape, generator=gen).to(DTYPE).to(DEV)
+        self.doc = torch.arange(1, doc_len + 1, device=DEV, dtype=torch.int32)
+        # own[i] = question i's slots: [q (16)][a_1 .. a_128][a_129 = this step]
+        self.own = (1 + doc_len + torch.arange(questions * own, device=DEV, dtype=torch.int32)
+                    ).view(questions, own)
+        self.q = torch.randn(questions, self.num_heads, self.head_dim, generator=gen).to(DTYPE).to(DEV)
+        self.k_new = torch.randn(questions, self.num_kv_heads, self.head_dim, generator=gen).to(DTYPE).to(DEV)
+        self.v_new = torch.randn_like(self.k_new)
+        self.kv_token_bytes = 2 * self.num_kv_heads * self.head_dim * 2
+
+    def backend(self, slot_sid) -> TritonBackend:
+        pool = SimpleNamespace(k_buffers=[self.k], v_buffers=[self.v], slot_sid=slot_sid)
+        return TritonBackend(pool, self.num_heads, self.num_kv_heads, self.head_dim,
+                             1 / math.sqrt(self.head_dim))
+
+    def _meta(self, kind, table, prefix, qo_indptr, q_sid, out_slots, kv_start, cascade=None):
+        i32 = dict(device=DEV, dtype=torch.int32)
+        batch = table.shape[0]
+        return ForwardMetadata(
+            kind=kind, positions=torch.zeros(out_slots.numel(), dtype=torch.int64, device=DEV),
+            out_slots=out_slots.long(), q_sid=q_sid, qo_indptr=qo_indptr,
+            req_indices=torch.arange(batch, **i32), kv_start=torch.full((batch,), kv_start, **i32),
+            prefix_lens=torch.full((batch,), prefix, **i32), req_to_token=table,
+            logit_indices=torch.arange(out_slots.numel(), device=DEV),
+            max_extend_len=int(qo_indptr.diff().max()), max_prefix_len=prefix, cascade=cascade)
+
+    def stock(self, cascade: bool = False):
+        rows = torch.cat([self.doc.expand(self.questions, -1), self.own], dim=1).contiguous()
+        prefix = self.doc_len + Q_TOKENS + ANSWERED
+        i32 = dict(device=DEV, dtype=torch.int32)
+        casc = None
+        if cascade:
+            casc = CascadeMetadata(torch.tensor([0, self.questions], **i32),
+                                   torch.zeros(1, **i32), torch.tensor([self.doc_len], **i32),
+                                   max_group_size=self.questions, max_doc_len=self.doc_len)
+        meta = self._meta("decode", rows, prefix, torch.arange(self.questions + 1, **i32),
+                          torch.zeros(self.questions, **i32), self.own[:, -1],
+                          self.doc_len if cascade else 0, casc)
+        return self.backend(torch.full((self.k.shape[0],), -1, **i32)), meta
+
+    def parallel(self, streams: int):
+        requests = self.questions // streams
+        own = self.own.view(requests, streams, -1)
+        questions = own[:, :, :Q_TOKENS].reshape(requests, -1)
+        answers = own[:, :, Q_TOKENS:].transpose(1, 2).reshape(requests, -1)  # step-major
+        rows = torch.cat([self.doc.expand(requests, -1), questions, answers], dim=1).contiguous()
+        sid = torch.full((self.k.shape[0],), -1, device=DEV, dtype=torch.int32)
+        stream_of = torch.arange(self.questions, device=DEV, dtype=torch.int32) % streams
+        sid[self.own.long()] = stream_of[:, None].expand_as(self.own)
+        i32 = dict(device=DEV, dtype=torch.int32)
+        meta = self._meta("extend", rows, self.doc_len + (Q_TOKENS + ANSWERED) * streams,
+                          torch.arange(0, self.questions + 1, streams, **i32), stream_of,
+                          own[:, :, -1].reshape(-1), 0)
+        return self.backend(sid), meta
+
+    def run(self, backend, meta) -> tuple[float, torch.Tensor]:
+        """(median ms, the output): every mode attends each question to the same keys."""
+        out = backend.forward(0, self.q, self.k_new, self.v_new, meta).float()
+        return bench(lambda: backend.forward(0, self.q, self.k_new, self.v_new, meta)), out
+
+    def sdpa(self, shared: bool) -> float:
+        """Shared: all Q queries against the document once. Per question: each query against
+        its own row (document + 145), the document expanded without a copy."""
+        f = torch.nn.functional.scaled_dot_product_attention
+        length = self.doc_len if shared else self.doc_len + Q_TOKENS + ANSWERED + 1
+        k = self.k[1:1 + length].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, N, D]
+        v = self.v[1:1 + length].transpose(0, 1).unsqueeze(0).contiguous()
+        gqa = self.num_heads != self.num_kv_heads
+        if shared:
+            q = self.q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, Q, D]
+        else:
+            q = self.q.unsqueeze(2)  # [Q, Hq, 1, D]
+            k, v = k.expand(self.questions, -1, -1, -1), v.expand(self.questions, -1, -1, -1)
+        return bench(lambda: f(q, k, v, enable_gqa=gqa))
+
+
+def figures(grid: Grid, name: str, ms: float, streams: int | None = None) -> dict:
+    """Bytes and FLOPs of one mode in one cell, and the rates its time gives."""
+    L, Q, per = grid.doc_len, grid.questions, Q_TOKENS + ANSWERED + 1
+    flop_per_key = 4 * grid.head_dim * grid.num_heads
+    unique = (L + Q * per) * grid.kv_token_bytes
+    useful = Q * (L + per) * flop_per_key
+    if name == "stock" or name == "sdpa_per_question":
+        read = Q * (L + per) * grid.kv_token_bytes
+    elif name == "parallel":
+        read = (Q // streams) * (L + per * streams) * grid.kv_token_bytes
+    elif name == "cascade":
+        read = unique
+    else:  # sdpa_shared / cascade_document: the document part only
+        read = unique = L * grid.kv_token_bytes
+        useful = Q * L * flop_per_key
+    floor = max(unique / COPY_BW, useful / MATMUL) * 1e3
+    return {"mode": name, "streams": streams, "ms": round(ms, 4), "floor_ms": round(floor, 4),
+            "x_floor": round(ms / floor, 2), "bytes_unique": unique, "bytes_read": read,
+            "read_TBps": round(read / ms / 1e9, 2), "unique_TBps": round(unique / ms / 1e9, 2),
+            "useful_TFLOPs": round(useful / ms / 1e9, 1)}
+
+
+def cell(model: str, doc_len: int, questions: int, gen) -> list[dict]:
+    grid = Grid(MODELS[model], doc_len, questions, gen)
+    out = []
+    ms, reference = grid.run(*grid.stock())
+    out.append(figures(grid, "stock", ms))
+
+    def agrees(result: torch.Tensor) -> dict:
+        return {"max_abs_diff_vs_stock": round(float((result - reference).abs().max()), 5)}
+
+    for streams in sorted({16, 32, 64, questions}):
+        ms, result = grid.run(*grid.parallel(streams))
+        out.append(figures(grid, "parallel", ms, streams) | agrees(result))
+    backend, meta = grid.stock(cascade=True)
+    ms, result = grid.run(backend, meta)
+    out.append(figures(grid, "cascade", ms) | agrees(result))
+    plan = backend.plan(meta)
+    part = backend.scratch.views(questions, grid.num_heads, plan.prefix_splits, grid.head_dim)
+    casc = meta.cascade
+    doc_ms = bench(lambda: launch_shared_prefix(
+        grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr, casc.doc_req_indices,
+        casc.doc_lens, casc.max_group_size, backend.sm_scale, plan.prefix_splits, *part))
+    out.append(figures(grid, "cascade_document", doc_ms) | {"splits": plan.prefix_splits})
+    for shared in (True, False):
+        name = "sdpa_shared" if shared else "sdpa_per_question"
+        try:
+            out.append(figures(grid, name, grid.sdpa(shared)))
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # record, do not stop the grid
+            out.append({"mode": name, "error": str(e)[:200]})
+    for row in out:
+        row.update(model=model, doc_tokens=doc_len, questions=questions)
+    del grid
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    default_out = os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json")
+    parser.add_argument("--out", default=default_out)
+    parser.add_argument("--quick", action="store_true", help="16k/256 cells only")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    args = parser.parse_args()
+    if args.smoke:
+        MODELS.update({"codellama-7b": (4, 4, 16), "qwen2.5-7b": (6, 2, 16)})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    result = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "commit": commit or "unknown",
+              "command": "python benchmarks/kernels.py" + (" --quick" if args.quick else ""),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "calibration": calibrate(), "rows": []}
+    gen = torch.Generator().manual_seed(0)
+    docs, qs = ([16384], [256]) if args.quick else ([8192, 16384], [64, 128, 256])
+    if args.smoke:
+        docs, qs = [300], [64]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    for model in MODELS:
+        for doc_len in docs:
+            for questions in qs:
+                result["rows"] += cell(model, doc_len, questions, gen)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    print(f"calibration: {result['calibration']}")
+    print(f"{'model':13} {'L':>6} {'Q':>4} {'mode':17} {'P':>4} {'ms':>8} {'floor':>7} "
+          f"{'x':>6} {'readTB/s':>9} {'TFLOP/s':>8} diff")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"{r['model']:13} {r['doc_tokens']:6} {r['questions']:4} {r['mode']:17} error")
+            continue
+        print(f"{r['model']:13} {r['doc_tokens']:6} {r['questions']:4} {r['mode']:17} "
+              f"{r['streams'] or '':>4} {r['ms']:8.3f} {r['floor_ms']:7.3f} {r['x_floor']:6.2f} "
+              f"{r['read_TBps']:9.2f} {r['useful_TFLOPs']:8.1f} {r.get('max_abs_diff_vs_stock', '')}")
+
+
+if __name__ == "__main__":
+    main()
