@@ -171,7 +171,7 @@ class Worker:
         stats, crash, mode = None, None, self._mode(claims)
         with LeaseKeeper(self.db, self.options.worker_id, list(runs),
                          self.options.lease_seconds, on_lost=lambda ids: self._lost(runs, ids),
-                         on_problem=self.progress.message):
+                         on_problem=self.progress.message) as leases:
             try:
                 stats = self.engine.run(requests, mode=mode,
                                         streams=self.options.streams, on_answer=on_answer,
@@ -179,7 +179,7 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - settle what we have, then decide
                 crash = f"engine error: {type(exc).__name__}: {exc}"
                 self.summary.last_error = crash
-            self._settle(list(runs.values()), stats, cycle_start, crash, mode)
+            self._settle(list(runs.values()), stats, cycle_start, crash, mode, leases)
         return crash is not None
 
     def _mode(self, claims: list[ClaimedJob]) -> str:
@@ -196,14 +196,16 @@ class Worker:
                 self.progress.message(f"job {job_id}: lease lost (cancelled or taken over)")
 
     def _settle(self, runs: list[JobRun], stats, cycle_start: float, crash: str | None,
-                mode: str) -> None:
-        """End every job of the cycle: finished, failed, retried or released (see module doc)."""
+                mode: str, leases: LeaseKeeper) -> None:
+        """End every job of the cycle: finished, failed, retried or released (see module doc).
+        Each lease stays renewed until its job is ended, so none expires while others settle."""
         opts = self.options
         for run in runs:
             run.save_unsaved(self.db, opts.worker_id)
         to_release = []
         for run in runs:
             job = run.claim
+            leases.forget([job.job_id])
             if run.lost:
                 outcome = JobOutcome.of(run, "lost")
             elif run.complete and run.error is None:
@@ -221,6 +223,7 @@ class Worker:
                 continue
             self.summary.add(outcome)
             self.progress.settled(outcome)
+        leases.forget([r.claim.job_id for r in to_release])
         released = set(queue.release_jobs(self.db, opts.worker_id,
                                           [r.claim.job_id for r in to_release]))
         for run in to_release:

@@ -37,13 +37,19 @@ class LeaseKeeper:
         self._done.set()
         self._thread.join()
 
+    def forget(self, job_ids: list[int]) -> None:
+        """Stop renewing these leases (the jobs are being finished, failed or released)."""
+        self.job_ids = [j for j in self.job_ids if j not in set(job_ids)]
+
     def _beat(self) -> None:
         while not self._done.wait(self.interval):
+            job_ids = self.job_ids  # one snapshot: `forget` may replace the list meanwhile
             try:
-                lost = queue.heartbeat(self.db, self.worker_id, self.job_ids, self.lease_seconds)
+                lost = queue.heartbeat(self.db, self.worker_id, job_ids, self.lease_seconds)
             except Exception as exc:  # noqa: BLE001 - try again at the next beat
                 self.on_problem(f"heartbeat failed, retrying: {exc}")
                 continue
+            lost = [j for j in lost if j in self.job_ids]  # not those settled meanwhile
             if lost:
-                self.job_ids = [j for j in self.job_ids if j not in lost]
+                self.forget(lost)
                 self.on_lost(lost)

@@ -65,16 +65,18 @@ def store_url(request, tmp_path):
 
 
 def queue_jobs(url: str, documents: int, jobs_per_document: int, questions_per_job: int,
-               max_new_tokens: int = 4) -> int:
-    """Queue documents x jobs, each job with its own questions and seed; returns the job count."""
+               max_new_tokens: tuple[int, ...] = (4,)) -> int:
+    """Queue documents x jobs, each job with its own questions and seed, job j of a document
+    answering up to max_new_tokens[j % len] tokens; returns the job count."""
     requests = []
     for d in range(documents):
-        text = f"Document {d}. " + " ".join(f"Fact {d}.{i} is {i * 7 % 13}." for i in range(20))
+        text = f"Document {d}. " + " ".join(f"Fact {i} is {(d + i) * 7 % 13}." for i in range(4))
         for j in range(jobs_per_document):
-            questions = [QuestionInput(f"q{k}", f"What is fact {d}.{(j + k) % 20}?", "test")
+            questions = [QuestionInput(f"q{k}", f"Fact {(j + k) % 4}?", "test")
                          for k in range(questions_per_job)]
             requests.append(IngestRequest(text, f"doc-{d}", questions,
-                                          GenerationParams(max_new_tokens=max_new_tokens, seed=j)))
+                                          GenerationParams(max_new_tokens=max_new_tokens[j % len(max_new_tokens)],
+                                                           seed=j)))
     db = open_db(url)
     try:
         ingest(db, requests)
@@ -137,9 +139,11 @@ def all_answered_once(url: str, jobs: int) -> dict:
 
 
 def test_kill_9_mid_job_then_another_worker_finishes_it(store_url, tmp_path):
-    jobs = queue_jobs(store_url, documents=3, jobs_per_document=6, questions_per_job=6,
-                      max_new_tokens=24)
-    first = start_worker(store_url, tmp_path, "a", "--lease-seconds", "2", "--max-jobs", "2")
+    # Jobs of one document run together and end at different steps (2 to 32 tokens), so the
+    # first answers are written while the other jobs of the batch are still being generated.
+    jobs = queue_jobs(store_url, documents=2, jobs_per_document=4, questions_per_job=4,
+                      max_new_tokens=(2, 12, 22, 32))
+    first = start_worker(store_url, tmp_path, "a", "--lease-seconds", "2", "--max-jobs", "4")
     wait_for_answers(store_url, first)
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=WAIT_S)
@@ -148,6 +152,9 @@ def test_kill_9_mid_job_then_another_worker_finishes_it(store_url, tmp_path):
     with db.read() as conn:
         stranded = conn.execute(select(Job.id).where(Job.status == "running")).scalars().all()
         kept = dict(conn.execute(select(Answer.question_id, Answer.id)).all())
+        unfinished = set(conn.execute(
+            select(Question.job_id).outerjoin(Answer, Answer.question_id == Question.id)
+            .where(Question.job_id.in_(stranded), Answer.id.is_(None))).scalars())
     db.close()
     before = counts(store_url)
     assert stranded, "the kill should leave the job it was working on running"
@@ -163,13 +170,18 @@ def test_kill_9_mid_job_then_another_worker_finishes_it(store_url, tmp_path):
     db.close()
     # Answers saved before the crash were kept, not redone; the stranded jobs were claimed again.
     assert {q: after[q] for q in kept} == kept
-    assert all(a == 2 for a in attempts.values()), attempts
-    assert set(stranded) <= {j["job_id"] for j in summary["jobs"] if j["status"] == "done"}
+    # A job with questions left was claimed a second time; one whose answers were all in (the
+    # kill came before its finishing step) was closed by the next claim without a new attempt.
+    assert attempts == {j: 2 if j in unfinished else 1 for j in stranded}
+    assert unfinished and unfinished <= {j["job_id"] for j in summary["jobs"] if j["status"] == "done"}
 
 
 def test_three_workers_share_one_store_without_double_claims(store_url, tmp_path):
-    jobs = queue_jobs(store_url, documents=30, jobs_per_document=10, questions_per_job=2)
-    workers = [start_worker(store_url, tmp_path, name, "--max-jobs", "8") for name in "abc"]
+    # One answer token each: the answer comes from the prefill step, so the engine's work is
+    # small and the test is about claims and writes (300 jobs, 600 answers, 3 processes).
+    jobs = queue_jobs(store_url, documents=30, jobs_per_document=10, questions_per_job=2,
+                      max_new_tokens=(1,))
+    workers = [start_worker(store_url, tmp_path, name, "--max-jobs", "20") for name in "abc"]
     summaries = [finish(w, tmp_path, name) for w, name in zip(workers, "abc")]
 
     all_answered_once(store_url, jobs)
@@ -192,8 +204,8 @@ def test_three_workers_share_one_store_without_double_claims(store_url, tmp_path
 
 def test_sigint_saves_answers_and_releases_unfinished_jobs(tmp_path):
     url = str(tmp_path / "jobs.db")
-    jobs = queue_jobs(url, documents=4, jobs_per_document=5, questions_per_job=6,
-                      max_new_tokens=24)
+    jobs = queue_jobs(url, documents=2, jobs_per_document=3, questions_per_job=4,
+                      max_new_tokens=(2, 24, 32))
     worker = start_worker(url, tmp_path, "a", "--max-jobs", "3", "--lease-seconds", "600")
     wait_for_answers(url, worker)
     worker.send_signal(signal.SIGINT)
