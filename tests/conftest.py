@@ -77,22 +77,24 @@ def sqlite_path(tmp_path: Path) -> Path:
     return tmp_path / "store.db"
 
 
-@pytest.fixture
-def sqlite_db(sqlite_path: Path):
+def _opened(location):
     from ppqa.store.db import open_db
 
-    db = open_db(sqlite_path)
+    db = open_db(location)
     yield db
     db.close()
+
+
+@pytest.fixture
+def sqlite_db(sqlite_path: Path):
+    """An open, migrated SQLite store in a temporary file."""
+    yield from _opened(sqlite_path)
 
 
 @pytest.fixture
 def pg_db(pg_url: str):
-    from ppqa.store.db import open_db
-
-    db = open_db(pg_url)
-    yield db
-    db.close()
+    """An open, migrated store in a fresh PostgreSQL schema."""
+    yield from _opened(pg_url)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -106,11 +108,7 @@ def db_location(request, sqlite_path: Path) -> str:
 @pytest.fixture
 def any_db(db_location: str):
     """An open, migrated store, once on SQLite and once on PostgreSQL."""
-    from ppqa.store.db import open_db
-
-    db = open_db(db_location)
-    yield db
-    db.close()
+    yield from _opened(db_location)
 
 
 @pytest.fixture

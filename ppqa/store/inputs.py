@@ -107,16 +107,21 @@ def _parse_txt(text: str, label: str) -> list[QuestionInput]:
     return out
 
 
-def _parse_jsonl(text: str, label: str) -> list[QuestionInput]:
-    out = []
+def _json_lines(text: str, label: str):
+    """(where, value) for each non-blank line of a JSONL text; bad JSON names its line."""
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{label}:{lineno}"
         try:
-            obj = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
+
+
+def _parse_jsonl(text: str, label: str) -> list[QuestionInput]:
+    out: list[QuestionInput] = []
+    for where, obj in _json_lines(text, label):
         out.append(question_from_obj(obj, len(out), where))
     return out
 
@@ -213,14 +218,7 @@ def read_batch(path: str | Path) -> list[BatchItem]:
     base = Path.cwd() if str(path) == "-" else Path(path).resolve().parent
     allowed = {"document", "document_path", "questions", "name", "id", *PARAM_KEYS}
     items = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{label}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
+    for where, obj in _json_lines(text, label):
         if not isinstance(obj, dict):
             raise InputError(f"{where}: expected a JSON object with 'document' and 'questions'")
         unknown = sorted(set(obj) - allowed)
@@ -233,7 +231,7 @@ def read_batch(path: str | Path) -> list[BatchItem]:
             doc = obj["document"]
             if not isinstance(doc, str) or not doc.strip():
                 raise InputError(f"{where}: 'document' must be a non-empty string")
-            default_name = f"{Path(label).stem}-{lineno}"
+            default_name = f"{Path(label).stem}-{where.rsplit(':', 1)[1]}"
         else:
             doc_path = base / str(obj["document_path"])
             try:

@@ -111,34 +111,33 @@ def _ingest_one(conn: Connection, req: IngestRequest, now, force: bool) -> Inges
     return IngestResult(job_id, doc_id, doc_name, is_new, len(req.questions))
 
 
-def _job_status(conn: Connection, job_id: int) -> str:
-    status = conn.execute(select(Job.status).where(Job.id == job_id)).scalar_one_or_none()
-    if status is None:
-        raise StoreError(f"no job {job_id}")
-    return status
+def _change_status(db: Database, job_id: int, allowed: tuple[str, ...], verb: str,
+                   values: dict) -> str:
+    """Move a job to values["status"] if its current status is one of `allowed`."""
+    with db.write() as conn:
+        status = conn.execute(select(Job.status).where(Job.id == job_id)).scalar_one_or_none()
+        if status is None:
+            raise StoreError(f"no job {job_id}")
+        if status not in allowed:
+            raise StoreError(f"job {job_id} is {status}; only {' or '.join(allowed)} jobs can "
+                             f"be {verb}")
+        if "finished_at" in values and values["finished_at"] == "now":
+            values = {**values, "finished_at": db.now(conn)}
+        conn.execute(update(Job).where(Job.id == job_id).values(
+            lease_owner=None, lease_expires_at=None, **values))
+    return values["status"]
 
 
 def cancel_job(db: Database, job_id: int) -> str:
     """Cancel a queued or running job (a worker on it sees it at its next heartbeat)."""
-    with db.write() as conn:
-        status = _job_status(conn, job_id)
-        if status not in (QUEUED, RUNNING):
-            raise StoreError(f"job {job_id} is {status}; only queued or running jobs can be cancelled")
-        conn.execute(update(Job).where(Job.id == job_id).values(
-            status=CANCELLED, lease_owner=None, lease_expires_at=None, finished_at=db.now(conn)))
-    return CANCELLED
+    return _change_status(db, job_id, (QUEUED, RUNNING), "cancelled",
+                          {"status": CANCELLED, "finished_at": "now"})
 
 
 def retry_job(db: Database, job_id: int) -> str:
     """Queue a failed or cancelled job again, with fresh attempts; its answers so far are kept."""
-    with db.write() as conn:
-        status = _job_status(conn, job_id)
-        if status not in (FAILED, CANCELLED):
-            raise StoreError(f"job {job_id} is {status}; only failed or cancelled jobs can be retried")
-        conn.execute(update(Job).where(Job.id == job_id).values(
-            status=QUEUED, attempts=0, error=None, finished_at=None, lease_owner=None,
-            lease_expires_at=None))
-    return QUEUED
+    return _change_status(db, job_id, (FAILED, CANCELLED), "retried",
+                          {"status": QUEUED, "attempts": 0, "error": None, "finished_at": None})
 
 
 def answered_counts(conn: Connection, job_ids: list[int] | None = None) -> dict[int, int]:
