@@ -1,0 +1,117 @@
+"""`ppqa bench`: the paper's grid (or any part of it), timed paired and seeded; see ppqa/bench.py."""
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ppqa.cli.common import fail, say
+
+app = typer.Typer()
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        fail(f"{what} must be comma-separated integers, got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        fail(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+@app.command(help=(
+    "Time stock, cascade, parallel and auto on the paper's synthetic workload: seeded documents of "
+    "N tokens, Q questions 'Summarize the main point of paragraph i.', a fixed answer budget with "
+    "EOS ignored. Every mode answers the same seeds in one process, in two passes of opposite order "
+    "after a warm-up; the JSON (written after every cell) holds per-run wall times, geometric-mean "
+    "speedups over stock and peak GPU memory.\n\nExamples:\n\n"
+    "  ppqa bench --model dummy:codellama-7b --doc-tokens 8192,16384 --questions 64,128,256\n\n"
+    "  ppqa bench --model dummy:tiny-mha --device cpu --doc-tokens 256 --questions 8 "
+    "--max-new-tokens 8 --out bench.json\n\n"
+    "  ppqa bench --from benchmarks/results/grid.json --plot grid.png"))
+def bench(
+    model: Annotated[str, typer.Option(help="Model: a dummy preset, smollm2, a .gguf or HF dir.")]
+    = "dummy:codellama-7b",
+    device: Annotated[str | None, typer.Option(
+        help="cuda, cuda:N or cpu. Default: the GPU if there is one.", show_default=False)] = None,
+    doc_tokens: Annotated[str, typer.Option(help="Document lengths in tokens, comma-separated.")]
+    = "8192,16384",
+    questions: Annotated[str, typer.Option(help="Questions per document, comma-separated.")]
+    = "64,128,256",
+    max_new_tokens: Annotated[str, typer.Option(help="Answer budgets, comma-separated.")] = "128",
+    seeds: Annotated[str, typer.Option(help="Workload seeds, comma-separated.")] = "0,1",
+    modes: Annotated[str, typer.Option(help="Modes to time; stock is the baseline.")]
+    = "stock,cascade,parallel,auto",
+    streams: Annotated[int, typer.Option(help="P for parallel mode.")] = 32,
+    passes: Annotated[int, typer.Option(help="Passes, alternating the order of modes.")] = 2,
+    kv_tokens: Annotated[int | None, typer.Option(
+        help="KV pool size in tokens (default: the engine's: a fraction of free GPU memory).",
+        show_default=False)] = None,
+    out: Annotated[Path, typer.Option(help="Results JSON (rewritten after every cell).")]
+    = Path("bench.json"),
+    plot: Annotated[Path | None, typer.Option(help="Also write a PNG plot of speedups here.",
+                                              show_default=False)] = None,
+    from_json: Annotated[Path | None, typer.Option(
+        "--from", help="Render the table (and --plot) of an earlier results JSON; time nothing.",
+        show_default=False)] = None,
+) -> None:
+    import json
+
+    from ppqa import bench as b
+
+    if from_json is not None:
+        try:
+            cells = json.loads(from_json.read_text())["cells"]
+        except (OSError, ValueError, KeyError) as exc:
+            fail(f"cannot read results from {from_json}: {exc}")
+        print(b.markdown_table(cells))
+        if plot is not None and not b.plot_speedups(cells, plot):
+            say("matplotlib is not installed: no plot written (pip install matplotlib)")
+        return
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in mode_list if m not in b.MODES]
+    if unknown or "stock" not in mode_list:
+        fail(f"--modes must include stock and only {', '.join(b.MODES)}; got {modes!r}")
+    grid = [(d, q, t) for t in _ints(max_new_tokens, "--max-new-tokens")
+            for d in _ints(doc_tokens, "--doc-tokens") for q in _ints(questions, "--questions")]
+    seed_list = [int(s) for s in seeds.split(",") if s.strip()]
+
+    import torch
+
+    from ppqa import Engine, EngineConfig, SamplingParams
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config_kwargs = {"device": dev}
+    if kv_tokens is not None:
+        config_kwargs["kv_token_budget"] = kv_tokens
+    try:
+        engine = Engine(model, device=dev, config=EngineConfig(**config_kwargs))
+    except ValueError as exc:
+        fail(str(exc))
+    gpu = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+    command = "ppqa bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    say(f"bench: {model} on {gpu}; {len(grid)} cells x {len(seed_list)} seeds x {passes} passes")
+
+    # Warm-up: every mode once on a small workload (kernel compilation, graph capture).
+    doc, qs = b.make_workload(engine.tokenizer, min(d for d, _, _ in grid), 4, seed=12345)
+    for mode in mode_list:
+        engine.answer(doc, qs, mode=mode, streams=streams,
+                      sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+
+    cells: list[b.Cell] = []
+    for d, q, t in grid:
+        say(f"cell: doc {d} tokens, {q} questions, {t} answer tokens")
+        cell = b.Cell(model=model, doc_tokens=d, questions=q, max_new_tokens=t, seeds=seed_list,
+                      streams=streams)
+        b.time_cell(engine, cell, mode_list, passes=passes, log=say)
+        cells.append(cell)
+        b.write_results(out, gpu, command, cells)
+    table_cells = [c.to_json() for c in cells]
+    print(b.markdown_table(table_cells))
+    if plot is not None and not b.plot_speedups(table_cells, plot):
+        say("matplotlib is not installed: no plot written (pip install matplotlib)")
+    say(f"results written to {out}")
