@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +109,22 @@ def test_pickled_checkpoints_are_refused(tmp_path):
         load_model(str(notes))
     with pytest.raises(ModelLoadError, match="without config.json"):
         load_model(str(tmp_path))
+
+
+def test_dummy_models_need_none_of_the_packages_the_gpu_machine_lacks():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ppqa.engine.loader import load_model\n"
+        "m = load_model('dummy:tiny-gqa')\n"
+        "n = sum(w.numel() for _, w in m.weights)\n"
+        "p = m.tokenizer.prompt('qa', 'doc', ['q?'])\n"
+        "bad = [x for x in ('gguf', 'platformdirs', 'sqlalchemy', 'pydantic', 'transformers')"
+        " if x in sys.modules]\n"
+        "print(n, bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["321408", "[]"], out.stdout + out.stderr

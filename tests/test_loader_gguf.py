@@ -69,7 +69,8 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest]}"
 
 
-def write_tiny_gguf(path: Path, qtype, weights: dict[str, np.ndarray], arch: str = "llama") -> Path:
+def write_tiny_gguf(path: Path, qtype, weights: dict[str, np.ndarray], arch: str = "llama",
+                    rope_freqs: np.ndarray | None = None) -> Path:
     vocab = _vocab()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -87,6 +88,8 @@ def write_tiny_gguf(path: Path, qtype, weights: dict[str, np.ndarray], arch: str
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHAT)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for name, array in weights.items():
         if name.endswith("q_proj.weight"):
             array = _llama_cpp_permute(array, HEADS)
@@ -187,4 +190,30 @@ def test_unsupported_architecture_and_missing_tensors(tmp_path):
     del weights["model.layers.1.mlp.up_proj.weight"]
     path = write_tiny_gguf(tmp_path / "holes.gguf", Q.F32, weights)
     with pytest.raises(ModelLoadError, match="missing model.layers.1.mlp.up_proj.weight"):
+        load_model(str(path))
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    """A Llama 3.1 file's rope_freqs (llama.cpp's divisors) map back to HF's llama3 rope_scaling."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hc = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                                  max_position_embeddings=131072,
+                                  rope_parameters={**scaling, "rope_theta": 50000.0})
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hc)
+    plain = 1.0 / 50000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    divisors = (plain / scaled.double()).numpy()
+    assert divisors.max() > 7.9 and divisors.min() < 1.01  # the case has all three bands
+    path = write_tiny_gguf(tmp_path / "l31.gguf", Q.F16, original_weights(len(_vocab())), rope_freqs=divisors)
+    config = load_model(str(path)).config
+    assert config.rope_scaling["rope_type"] == "llama3"
+    assert {k: config.rope_scaling[k] for k in scaling if k != "rope_type"} == pytest.approx(
+        {k: v for k, v in scaling.items() if k != "rope_type"}, rel=1e-5)
+
+    path = write_tiny_gguf(tmp_path / "odd.gguf", Q.F16, original_weights(len(_vocab())),
+                           rope_freqs=divisors[::-1].copy())
+    with pytest.raises(ModelLoadError, match="not Llama 3's scaling"):
         load_model(str(path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -14,7 +15,8 @@ def test_models_module_does_not_import_torch():
     import subprocess
 
     code = "import sys, ppqa.cli.models; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False"
 
 

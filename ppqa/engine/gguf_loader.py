@@ -41,7 +41,7 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-# Tensors a llama.cpp file may carry that the HF model derives itself (rope frequency factors).
+# rope_freqs: llama.cpp's per-frequency rope divisors, read into the config's rope_scaling instead.
 _IGNORED = {"rope_freqs.weight"}
 
 
@@ -93,7 +93,26 @@ def _reader(path: Path) -> Any:
                              f"{type(e).__name__}: {e}") from e
 
 
-def config_from_gguf(reader: Any, path: Path, tensor_names: set[str]) -> ModelConfig:
+def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict:
+    """Hugging Face's llama3 `rope_scaling` from llama.cpp's per-frequency divisors (rope_freqs).
+
+    llama.cpp bakes Llama 3.x's scaling into one divisor per rotary frequency; HF describes it with
+    four numbers. The largest divisor is the factor; the other three are those of every Llama 3.x
+    release. Recompute the divisors from them and accept only a match.
+    """
+    factor, low, high, original = float(divisors.max()), 1.0, 4.0, 8192
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (original / wavelen - low) / (high - low)
+    expected = np.where(wavelen < original / high, 1.0,
+                        np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if expected.shape != divisors.shape or not np.allclose(expected, divisors, rtol=1e-4):
+        raise ModelLoadError(f"{str(path)!r}: its rope frequency factors (rope_freqs) are not Llama 3's "
+                             "scaling; load this model from its Hugging Face directory instead")
+    return {"rope_type": "llama3", "type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+
+
+def config_from_gguf(reader: Any, path: Path, tensors: dict[str, Any]) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{str(path)!r}: GGUF architecture {arch!r} is not supported "
@@ -108,9 +127,10 @@ def config_from_gguf(reader: Any, path: Path, tensor_names: set[str]) -> ModelCo
     if key("rope.scaling.type") not in (None, "none"):
         rope_scaling = {"rope_type": key("rope.scaling.type"), "type": key("rope.scaling.type"),
                         "factor": float(key("rope.scaling.factor", 1.0))}
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError(f"{str(path)!r} carries llama.cpp rope frequency factors (Llama 3.1 "
-                             "style); load this model from its Hugging Face directory instead")
+    head_dim = int(key("attention.key_length", hidden // heads))
+    if "rope_freqs.weight" in tensors:
+        rope_scaling = llama3_rope_scaling(_dequantize(tensors["rope_freqs.weight"]).reshape(-1),
+                                           float(key("rope.freq_base", 10000.0)), head_dim, path)
     eos = [_field(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     try:
         return ModelConfig(
@@ -120,13 +140,13 @@ def config_from_gguf(reader: Any, path: Path, tensor_names: set[str]) -> ModelCo
             num_layers=int(key("block_count")),
             num_heads=heads,
             num_kv_heads=int(key("attention.head_count_kv", heads)),
-            head_dim=int(key("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=int(key("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
             bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=sorted({int(e) for e in eos if e is not None}),
             name=str(_field(reader, "general.name", path.stem)),
@@ -177,7 +197,7 @@ def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loaded
         tensors = {t.name: t for t in reader.tensors}
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{str(path)!r}: unreadable tensor table: {e}") from e
-    config = config_from_gguf(reader, path, set(tensors))
+    config = config_from_gguf(reader, path, tensors)
     arch = _field(reader, "general.architecture")
     expected = _expected_shapes(config)
     found = {hf_name(n): tuple(int(d) for d in reversed(t.shape.tolist()))
