@@ -56,8 +56,9 @@ def list_models(
     from rich.table import Table
 
     table = Table(title=f"models (cache: {model_cache.models_dir()})")
-    for column in ("name", "kind", "status", "path / description"):
-        table.add_column(column)
+    for column in ("name", "kind", "status"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("path / description", overflow="fold")  # paths are data: never cut them
     for r in rows:
         status = "cached" if r.cached else "not cached"
         if r.kind == "dummy":
