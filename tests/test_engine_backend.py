@@ -48,7 +48,10 @@ class Setup:
         self.runner = ModelRunner(None, self.pool, self.table, self.backend, CPU)
         doc_a, doc_b = torch.arange(1, 38), torch.arange(40, 60)  # 37 and 20 tokens
         self.docs = {1: doc_a, 2: doc_a, 3: doc_b}  # rows 1 and 2 share document A
-        own = {1: torch.arange(70, 85), 2: torch.arange(90, 101), 3: torch.arange(110, 130)}
+        # Row 2's own slots are fragmented (three runs), as in a fragmented pool.
+        own = {1: torch.arange(70, 85),
+               2: torch.cat([torch.arange(90, 94), torch.arange(150, 155), torch.arange(96, 98)]),
+               3: torch.arange(110, 130)}
         for row in (1, 2, 3):
             self.table.write(row, 0, torch.cat([self.docs[row], own[row]]))
         self.pool.slot_sid[1:60] = -1

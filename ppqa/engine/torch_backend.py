@@ -4,46 +4,62 @@ Per step, `init_forward_metadata` (called by the runner once, after it has set `
 step's new slots) turns the `ForwardMetadata` into a plan that every layer reuses:
   - extend: per request, the stage-1 slots req_to_token[row, kv_start:prefix_len] and the dense
     mask of the stream rule over [stage-1 keys | the step's new keys] (`layout.extend_mask`);
-  - decode: one padded [B, L] slot matrix of each row [kv_start, prefix_len + 1) and its validity;
-  - cascade decode: per group of requests sharing a document, the document's slots; per request,
-    the suffix slots [doc_len, prefix_len + 1). The document part is one matrix-matrix product of
-    the group's queries with the document's keys, the suffix part is per request, and the two are
-    merged by log-sum-exp (`merge_partials`), literally as a cascade kernel would.
-Softmax is computed in float32 whatever the model dtype. Each layer's `forward` first writes the
-step's K/V into the pool at `out_slots`.
+    attention is torch's scaled_dot_product_attention under that mask;
+  - decode: per request, its row [kv_start, prefix_len + 1) as runs of consecutive slots, read
+    in place from the pool (views, no gathered copy: each request reads its document's KV once per
+    step, as a paged decode kernel does);
+  - cascade decode: per group of requests sharing a document, the document's slot runs; per
+    request, its suffix runs [doc_len, prefix_len + 1). The document part is one matrix-matrix
+    product of the group's queries with the document's keys, the suffix part is per request, and
+    the two are merged by log-sum-exp (`merge_partials`), literally as a cascade kernel would.
+Scores and softmax are computed in float32 whatever the model dtype. Each layer's `forward` first
+writes the step's K/V into the pool at `out_slots`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ppqa.engine.attention import ForwardMetadata
 from ppqa.engine.kv_cache import KVPool
 from ppqa.engine.layout import extend_mask
 
-# Upper bound on the elements of one float32 score tensor; larger work is chunked.
-MAX_SCORE_ELEMENTS = 1 << 25
+Runs = list[tuple[int, int]]  # [start, end) ranges of consecutive pool slots
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax attention with its log-sum-exp, in float32.
+def slot_runs(slots: torch.Tensor) -> Runs:
+    """Split a row's slot ids into ranges of consecutive slots (one range if allocated contiguously)."""
+    if slots.numel() == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, slots.numel()]
+    starts = slots[bounds[:-1]].tolist()
+    return [(s, s + (b - a)) for s, a, b in zip(starts, bounds[:-1], bounds[1:])]
 
-    q [B, n, H, D], k/v [B, m, KVH, D], mask [B, n, m] bool -> out [B, n, H, D] (float32),
-    lse [B, n, H] (natural log; -inf for a query that sees no key, whose output is 0).
+
+def attend_runs(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, runs: Runs,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries q [n, H, D] over the keys in `runs` of the pool (unmasked), read in place.
+
+    Returns out [n, H, D] (float32) and lse [n, H] (natural log; -inf and out 0 for no keys).
     """
-    batch, n, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    group = heads // kv_heads
-    qf = q.float().reshape(batch, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)
-    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)
-    scores = (qf @ kf.transpose(-1, -2)) * scale  # [B, KVH, G, n, m]
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    n, heads, dim = q.shape
+    kv_heads = k_buf.shape[1]
+    if not runs:
+        return (torch.zeros(n, heads, dim, dtype=torch.float32, device=q.device),
+                torch.full((n, heads), float("-inf"), device=q.device))
+    qf = q.float().reshape(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
+    scores = torch.cat([qf @ k_buf[a:b].float().permute(1, 2, 0).unsqueeze(1) for a, b in runs],
+                       dim=-1) * scale  # [KVH, G, n, L]
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
-    out = (probs @ vf).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
-    return out, lse.permute(0, 3, 1, 2).reshape(batch, n, heads)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    out, offset = None, 0
+    for a, b in runs:
+        part = probs[..., offset:offset + b - a] @ v_buf[a:b].float().permute(1, 0, 2).unsqueeze(1)
+        out = part if out is None else out + part
+        offset += b - a
+    return out.permute(2, 0, 1, 3).reshape(n, heads, dim), lse.permute(2, 0, 1).reshape(n, heads)
 
 
 def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
@@ -53,20 +69,6 @@ def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     safe = lse.masked_fill(lse == float("-inf"), 0.0)
     w1, w2 = torch.exp(lse1 - safe).unsqueeze(-1), torch.exp(lse2 - safe).unsqueeze(-1)
     return out1 * w1 + out2 * w2, lse
-
-
-def _padded_rows(table: torch.Tensor, rows: list[int], starts: list[int],
-                 ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L] slot ids of table[rows[b], starts[b]:ends[b]] padded with slot 0, and validity."""
-    width = max([e - s for s, e in zip(starts, ends)] + [1])
-    device = table.device
-    offsets = torch.arange(width, device=device).view(1, -1)
-    start_t = torch.tensor(starts, device=device).view(-1, 1)
-    lens_t = torch.tensor([e - s for s, e in zip(starts, ends)], device=device).view(-1, 1)
-    valid = offsets < lens_t
-    cols = (start_t + offsets).clamp(max=table.shape[1] - 1)
-    slots = table[torch.tensor(rows, device=device)].gather(1, cols).long()
-    return torch.where(valid, slots, torch.zeros_like(slots)), valid
 
 
 class TorchBackend:
@@ -92,18 +94,17 @@ class TorchBackend:
                 mask = extend_mask(self.pool.slot_sid[slots], meta.q_sid[indptr[b]:indptr[b + 1]])
                 plan.append((indptr[b], indptr[b + 1], slots, mask))
             self._plan = {"extend": plan}
-        elif meta.cascade is None:
-            ends = [p + 1 for p in prefix]
-            self._plan = {"decode": _padded_rows(table, rows, kv_start, ends)}
         else:
-            casc = meta.cascade
+            # Decode: the new token's slot is already in the row at prefix_len (written first).
+            runs = [slot_runs(table[row, kv_start[b]:prefix[b] + 1]) for b, row in enumerate(rows)]
             groups = []
-            for g, (a, b) in enumerate(zip(casc.group_req_indptr.tolist()[:-1],
-                                           casc.group_req_indptr.tolist()[1:])):
-                doc_row, doc_len = int(casc.doc_req_indices[g]), int(casc.doc_lens[g])
-                groups.append((a, b, table[doc_row, :doc_len].long()))
-            ends = [p + 1 for p in prefix]
-            self._plan = {"groups": groups, "suffix": _padded_rows(table, rows, kv_start, ends)}
+            if meta.cascade is not None:
+                casc = meta.cascade
+                indptr = casc.group_req_indptr.tolist()
+                for g, doc_row in enumerate(casc.doc_req_indices.tolist()):
+                    doc_len = int(casc.doc_lens[g])
+                    groups.append((indptr[g], indptr[g + 1], slot_runs(table[doc_row, :doc_len])))
+            self._plan = {"runs": runs, "groups": groups}
         self._meta = meta
 
     # ---- attention -------------------------------------------------------------------------
@@ -117,52 +118,30 @@ class TorchBackend:
             self.init_forward_metadata(meta)
         if meta.kind == "extend":
             out = self._extend(q, k, v, k_buf, v_buf)
-        elif meta.cascade is None:
-            out = self._decode(q, k_buf, v_buf)
         else:
-            out = self._cascade(q, k_buf, v_buf)
+            out = self._decode(q, k_buf, v_buf)
         return out.to(q.dtype)
 
     def _extend(self, q, k, v, k_buf, v_buf) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for start, end, slots, mask in self._plan["extend"]:
-            keys = torch.cat([k_buf[slots], k[start:end].to(k_buf.dtype)]).unsqueeze(0)
-            values = torch.cat([v_buf[slots], v[start:end].to(v_buf.dtype)]).unsqueeze(0)
-            # Chunk the queries so the score tensor stays bounded for long prefills.
-            step = max(1, MAX_SCORE_ELEMENTS // max(1, keys.shape[1] * self.num_heads))
-            for c in range(start, end, step):
-                c_end = min(end, c + step)
-                rows = mask[c - start:c_end - start].unsqueeze(0)
-                out[c:c_end] = attend(q[c:c_end].unsqueeze(0), keys, values, rows, self.sm_scale)[0][0]
+            keys = torch.cat([k_buf[slots], k[start:end].to(k_buf.dtype)]).float()
+            values = torch.cat([v_buf[slots], v[start:end].to(v_buf.dtype)]).float()
+            # [1, heads, tokens, dim] layout; GQA heads share their KV head inside SDPA.
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].float().transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0), attn_mask=mask.unsqueeze(0).unsqueeze(0),
+                scale=self.sm_scale, enable_gqa=True)[0].transpose(0, 1)
         return out
 
-    def _padded_attend(self, q, k_buf, v_buf, slots, valid) -> tuple[torch.Tensor, torch.Tensor]:
-        """One query per request over its padded slots: out [B, H, D], lse [B, H]."""
-        batch, width = slots.shape
-        step = max(1, MAX_SCORE_ELEMENTS // max(1, width * self.num_heads))
-        outs, lses = [], []
-        for a in range(0, batch, step):
-            b = min(batch, a + step)
-            o, lse = attend(q[a:b].unsqueeze(1), k_buf[slots[a:b]], v_buf[slots[a:b]],
-                            valid[a:b].unsqueeze(1), self.sm_scale)
-            outs.append(o[:, 0])
-            lses.append(lse[:, 0])
-        return torch.cat(outs), torch.cat(lses)
-
     def _decode(self, q, k_buf, v_buf) -> torch.Tensor:
-        slots, valid = self._plan["decode"]
-        return self._padded_attend(q, k_buf, v_buf, slots, valid)[0]
-
-    def _cascade(self, q, k_buf, v_buf) -> torch.Tensor:
-        slots, valid = self._plan["suffix"]
-        out, lse = self._padded_attend(q, k_buf, v_buf, slots, valid)
-        for a, b, doc_slots in self._plan["groups"]:
-            if doc_slots.numel() == 0:
-                continue
-            # The group's queries form one [n_g, H, D] block against the document's keys, read once.
-            group_q = q[a:b].unsqueeze(0)
-            doc_mask = torch.ones(1, b - a, doc_slots.numel(), dtype=torch.bool, device=q.device)
-            doc_out, doc_lse = attend(group_q, k_buf[doc_slots].unsqueeze(0),
-                                      v_buf[doc_slots].unsqueeze(0), doc_mask, self.sm_scale)
-            out[a:b], lse[a:b] = merge_partials(doc_out[0], doc_lse[0], out[a:b], lse[a:b])
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for b, runs in enumerate(self._plan["runs"]):
+            out[b:b + 1], lse[b:b + 1] = attend_runs(q[b:b + 1], k_buf, v_buf, runs, self.sm_scale)
+        for a, b, doc_runs in self._plan["groups"]:
+            # Cascade: the group's queries form one [n_g, H, D] block against the document's keys,
+            # read once for the whole group, then merged with each request's own part.
+            doc_out, doc_lse = attend_runs(q[a:b], k_buf, v_buf, doc_runs, self.sm_scale)
+            out[a:b], lse[a:b] = merge_partials(doc_out, doc_lse, out[a:b], lse[a:b])
         return out
