@@ -122,3 +122,15 @@ def test_rejected_ingest_does_not_create_a_store(tmp_path, files):
     result = CliRunner().invoke(app, ["--db", str(fresh), "ingest", files["empty"],
                                       files["questions"]])
     assert result.exit_code == 2 and not fresh.exists()
+
+
+def test_bad_batch_values_name_their_line(files, tmp_path):
+    batch = tmp_path / "values.jsonl"
+    batch.write_text('{"document": "D1", "questions": ["Q?"]}\n'
+                     '{"document": "D2", "questions": ["Q?"], "max_new_tokens": "lots"}\n')
+    before = dump(files["db"])
+    result = CliRunner().invoke(app, ["--db", files["db"], "ingest", "--batch", str(batch)])
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: {batch}:2: max_new_tokens must be a whole number, "
+                             "got 'lots'\n")
+    assert dump(files["db"]) == before

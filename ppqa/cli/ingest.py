@@ -113,5 +113,3 @@ def _request(text, name, questions, options: dict, where: str):
         return IngestRequest(text, name, questions, params, priority, where)
     except InputError as exc:
         raise InputError(f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc))
-    except TypeError as exc:  # a batch line with a value of the wrong kind
-        raise InputError(f"{where}: {exc}")
