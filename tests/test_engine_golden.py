@@ -119,6 +119,21 @@ def test_several_documents_in_one_batch(mode: str, streams, tmp_path: Path) -> N
     assert stats.max_batch_requests > largest  # requests of several documents decoded together
 
 
+@pytest.mark.parametrize("mode,streams", [("stock", None), ("parallel", 3), ("cascade", None)])
+def test_padded_fixed_shape_steps_match(mode: str, streams, tmp_path: Path) -> None:
+    """cuda_graphs=True pads every decode step to a power of two with dummy requests (row 0, sink
+    slots): the real requests' tokens must not change, and no document KV may be overwritten."""
+    requests = several_documents(tmp_path, seed=13)
+    reference = stock_reference(requests)
+    eng = tiny_engine("tiny-gqa", cuda_graphs=True)
+    eng.tokenizer.eos_token_ids = [7]
+    for _ in range(2):  # the second run reads the documents cached by the first
+        got, _ = answers_of(eng, requests, mode=mode, streams=streams)
+        for key, answer in reference.items():
+            assert got[key].token_ids == answer.token_ids, f"{mode}: {key}"
+    assert not eng._parts.table.table[0].any()  # the dummy row still points only at the sink
+
+
 @pytest.mark.parametrize("mode", ["stock", "parallel", "cascade"])
 def test_small_pool_waits_and_evicts_documents(mode: str, tmp_path: Path) -> None:
     requests = several_documents(tmp_path, seed=9)

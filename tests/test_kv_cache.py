@@ -62,11 +62,13 @@ def test_pool_views_share_one_tensor() -> None:
 def test_table_rows_and_row_length_check() -> None:
     table = ReqToTokenTable(2, 8, torch.device("cpu"))
     rows = {table.alloc(), table.alloc()}
-    assert rows == {1, 2} and table.alloc() is None  # row 0 is scratch, never handed out
-    table.write(1, 2, torch.tensor([5, 6]))
-    assert table.table[1, :4].tolist() == [0, 0, 5, 6]
+    assert rows == {2, 3} and table.alloc() is None  # rows 0 (dummy) and 1 (scratch) are never handed out
+    table.write(2, 2, torch.tensor([5, 6]))
+    assert table.table[2, :4].tolist() == [0, 0, 5, 6]
     with pytest.raises(ValueError, match="row length 8"):
-        table.write(1, 6, torch.tensor([1, 2, 3]))
+        table.write(2, 6, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="dummy row"):
+        table.write(0, 0, torch.tensor([1]))
 
 
 def test_document_cache_shares_refcounts_and_evicts_least_recently_used() -> None:

@@ -201,7 +201,9 @@ class Engine:
 
         def step(requests: list[Request], inputs, prefill: bool) -> None:
             logits = runner.run(inputs)
-            tokens = sample(logits, sched.sampling_batch(requests, prefill)).tolist()
+            pad_rows = logits.shape[0] - (sum(len(r.streams) for r in requests) if prefill
+                                          else sum(r.width for r in requests))
+            tokens = sample(logits, sched.sampling_batch(requests, prefill, pad_rows)).tolist()
             now = time.perf_counter()
             stats.steps += 1
             for stream in sched.postprocess(requests, tokens, prefill=prefill, eos_ids=eos,
@@ -235,6 +237,9 @@ class Engine:
             if batch:
                 begin = runner.synchronize()
                 stats.max_batch_requests = max(stats.max_batch_requests, len(batch))
-                step(batch, sched.decode_step(batch, kind=kind, cascade=cascade), prefill=False)
+                # Fixed shapes for CUDA graphs: B padded to a power of two with dummy requests.
+                pad_to = 1 << (len(batch) - 1).bit_length() if self.config.cuda_graphs else 0
+                step(batch, sched.decode_step(batch, kind=kind, cascade=cascade, pad_to=pad_to),
+                     prefill=False)
                 stats.decode_s += runner.synchronize() - begin
 

@@ -7,8 +7,8 @@
   with per-layer views `k_buffers[l]`/`v_buffers[l]`, and `slot_sid` (the stream id of every slot,
   written by the runner before each forward, read by the attention backend).
 - `ReqToTokenTable`: rows of slot ids; a request's row starts with its document's slots (shared,
-  not copied). Row 0 is scratch: document prefill writes through it, and padded dummy requests
-  (CUDA graphs) point at it.
+  not copied). Row 0 is a dummy row of sink slots for padded requests (CUDA graphs); row 1 is
+  scratch, through which document prefill writes.
 - `DocumentCache`: a document's tokens are prefilled once; its slots are reference counted by the
   requests that use it and the least recently used unused documents are evicted when a new
   allocation does not fit. It outlives `Engine.run` calls.
@@ -104,13 +104,20 @@ class KVPool:
 
 
 class ReqToTokenTable:
-    """[max_requests + 1, max_row_len] int32 slot ids on the device; row 0 is scratch."""
+    """[max_requests + 2, max_row_len] int32 slot ids on the device.
+
+    Row 0 is the dummy row: all zeros forever (every position is the sink slot 0), for the padded
+    requests of fixed-shape (CUDA graph) steps. Row 1 is scratch for document prefill.
+    """
+
+    DUMMY_ROW = 0
+    SCRATCH_ROW = 1
 
     def __init__(self, max_requests: int, max_row_len: int, device: torch.device) -> None:
         self.max_row_len = max_row_len
-        self.table = torch.zeros(max_requests + 1, max_row_len, dtype=torch.int32, device=device)
-        self._free_rows = list(range(max_requests, 0, -1))
-        self.scratch_row = 0
+        self.table = torch.zeros(max_requests + 2, max_row_len, dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests + 1, 1, -1))
+        self.scratch_row = self.SCRATCH_ROW
 
     @property
     def num_free_rows(self) -> int:
@@ -123,6 +130,8 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        if row == self.DUMMY_ROW:
+            raise ValueError("the dummy row of req_to_token must stay all sink slots")
         end = start + slots.numel()
         if end > self.max_row_len:
             raise ValueError(f"a row of {end} tokens exceeds the req_to_token row length "

@@ -175,36 +175,50 @@ class Scheduler:
             self.running.sort(key=lambda r: r.doc.uid)  # stable: arrival order within a document
         return list(self.running)
 
-    def decode_step(self, requests: Sequence[Request], *, kind: str, cascade: bool) -> StepInputs:
-        """One token per stream of every request; logit rows = all B * P tokens."""
-        prefix = torch.tensor([r.prefix_len for r in requests])
-        layout, _ = decode_layout(prefix, torch.stack([r.next_pos for r in requests]),
-                                  torch.stack([r.live for r in requests]))
+    def decode_step(self, requests: Sequence[Request], *, kind: str, cascade: bool,
+                    pad_to: int = 0) -> StepInputs:
+        """One token per stream of every request; logit rows = all B * P tokens.
+
+        pad_to > B appends dummy requests (row 0: sink slots only, nothing cached, every stream
+        finished) so a step has a fixed shape for CUDA graphs; their logit rows are ignored.
+        """
         batch, width = len(requests), requests[0].width
-        tokens = batch * width
+        pad = max(0, pad_to - batch)
+        prefix = torch.tensor([r.prefix_len for r in requests] + [0] * pad)
+        next_pos = torch.stack([r.next_pos for r in requests] + [torch.zeros(width, dtype=torch.int64)] * pad)
+        live = torch.stack([r.live for r in requests] + [torch.zeros(width, dtype=torch.bool)] * pad)
+        layout, _ = decode_layout(prefix, next_pos, live)
+        tokens = (batch + pad) * width
+        rows = [r.row for r in requests] + [self.table.DUMMY_ROW] * pad
         groups = None
-        kv_start = torch.zeros(batch, dtype=torch.int64)
+        kv_start = torch.zeros(batch + pad, dtype=torch.int64)
         if cascade:
             groups, first = [], 0
             for b in range(1, batch + 1):
                 if b == batch or requests[b].doc is not requests[first].doc:
                     groups.append((first, b, requests[first].doc_len))
                     first = b
-            kv_start = torch.tensor([r.doc_len for r in requests])
+            if pad:
+                groups.append((batch, batch + pad, 0))  # the dummies' "document" is empty
+            kv_start = torch.tensor([r.doc_len for r in requests] + [0] * pad)
         return StepInputs(
-            kind=kind, input_ids=torch.cat([r.last_token for r in requests]), layout=layout,
-            qo_indptr=torch.arange(0, tokens + 1, width), req_rows=torch.tensor([r.row for r in requests]),
-            kv_start=kv_start, prefix_lens=prefix, logit_indices=torch.arange(tokens),
-            cascade_groups=groups)
+            kind=kind, input_ids=torch.cat([r.last_token for r in requests]
+                                           + [torch.zeros(pad * width, dtype=torch.int64)]),
+            layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
+            req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
+            logit_indices=torch.arange(tokens), cascade_groups=groups)
 
     @staticmethod
-    def sampling_batch(requests: Sequence[Request], prefill: bool) -> SamplingBatch:
-        """Parameters of the step's logit rows (prefill: real streams only; decode: all B * P)."""
-        def cat(name: str) -> torch.Tensor:
-            return torch.cat([getattr(r, name)[:len(r.streams)] if prefill else getattr(r, name)
-                              for r in requests])
-        return SamplingBatch(temperature=cat("temperature"), top_p=cat("top_p"), top_k=cat("top_k"),
-                             seed=cat("seed"), step=cat("num_out"),
+    def sampling_batch(requests: Sequence[Request], prefill: bool, pad_rows: int = 0) -> SamplingBatch:
+        """Parameters of the step's logit rows (prefill: real streams only; decode: all B * P),
+        plus `pad_rows` greedy rows for dummy requests."""
+        def cat(name: str, pad_value) -> torch.Tensor:
+            parts = [getattr(r, name)[:len(r.streams)] if prefill else getattr(r, name)
+                     for r in requests]
+            dtype = parts[0].dtype
+            return torch.cat(parts + [torch.full((pad_rows,), pad_value, dtype=dtype)])
+        return SamplingBatch(temperature=cat("temperature", 0.0), top_p=cat("top_p", 1.0),
+                             top_k=cat("top_k", 0), seed=cat("seed", 0), step=cat("num_out", 0),
                              all_greedy=all(r.all_greedy for r in requests))
 
     # ---- after sampling --------------------------------------------------------------------
