@@ -2,8 +2,8 @@
 document and P streams (P = 1 for `stock` and `cascade`); a `Stream` is one question and its answer.
 
 Per-stream state that every step needs (next rotary position, live flag, last token, sampling
-parameters) is kept in small [P] tensors, so the scheduler builds a step for B requests with a few
-concatenations instead of a loop over tokens. `Request.accept` applies one sampled token to a
+parameters) is kept in small [P] numpy arrays (cheap to update one element, cheap to concatenate),
+so the scheduler builds a step for B requests with a few concatenations, not a loop over tokens. `Request.accept` applies one sampled token to a
 stream: EOS, stop strings and the token budget end it.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ppqa.config import SamplingParams
@@ -49,18 +50,16 @@ class Request:
         if not 1 <= len(self.streams) <= self.width:
             raise ValueError(f"a request holds 1..{self.width} streams, got {len(self.streams)}")
         width, n = self.width, len(self.streams)
-        self.next_pos = torch.zeros(width, dtype=torch.int64)
-        self.live = torch.zeros(width, dtype=torch.bool)
-        self.last_token = torch.zeros(width, dtype=torch.int64)
         pad = width - n
-        self.temperature = torch.tensor([s.sampling.temperature for s in self.streams] + [0.0] * pad,
-                                        dtype=torch.float32)
-        self.top_p = torch.tensor([s.sampling.top_p for s in self.streams] + [1.0] * pad,
-                                  dtype=torch.float32)
-        self.top_k = torch.tensor([s.sampling.top_k for s in self.streams] + [0] * pad,
-                                  dtype=torch.int64)
-        self.seed = torch.tensor([s.seed for s in self.streams] + [0] * pad, dtype=torch.int64)
-        self.num_out = torch.zeros(width, dtype=torch.int64)  # tokens sampled: the RNG counter
+        self.next_pos = np.zeros(width, dtype=np.int64)
+        self.live = np.zeros(width, dtype=bool)
+        self.last_token = np.zeros(width, dtype=np.int64)
+        self.num_out = np.zeros(width, dtype=np.int64)  # tokens sampled: the RNG counter
+        self.temperature = np.array([s.sampling.temperature for s in self.streams] + [0.0] * pad,
+                                    dtype=np.float32)
+        self.top_p = np.array([s.sampling.top_p for s in self.streams] + [1.0] * pad, dtype=np.float32)
+        self.top_k = np.array([s.sampling.top_k for s in self.streams] + [0] * pad, dtype=np.int64)
+        self.seed = np.array([s.seed for s in self.streams] + [0] * pad, dtype=np.int64)
 
     @property
     def doc_len(self) -> int:
@@ -87,7 +86,7 @@ class Request:
         """After the question prefill: every real stream is live at its first answer position."""
         n = len(self.streams)
         self.prefix_len = self.doc_len + sum(self.question_lens)
-        self.next_pos[:n] = torch.tensor([self.doc_len + q for q in self.question_lens])
+        self.next_pos[:n] = [self.doc_len + q for q in self.question_lens]
         self.live[:n] = True
 
     def accept(self, s: int, token: int, eos_ids: Sequence[int],

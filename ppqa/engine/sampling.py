@@ -22,6 +22,7 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass
 class SamplingBatch:
+    # Host (CPU) tensors; `sample` moves what it needs to the logits' device.
     temperature: torch.Tensor  # [R] float32; 0 = greedy
     top_p: torch.Tensor  # [R] float32
     top_k: torch.Tensor  # [R] int64; 0 = off
@@ -61,10 +62,11 @@ def counter_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch
 
 
 def _filter_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """top_k: host tensor [R] (0 = off); keeps each row's k largest logits (and ties)."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     kmax = int(k.max())
-    kth = logits.topk(kmax, dim=-1).values.gather(1, (k - 1).view(-1, 1))
+    kth = logits.topk(kmax, dim=-1).values.gather(1, (k - 1).view(-1, 1).to(logits.device))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -82,13 +84,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return greedy
     device = logits.device
+    # Filters are decided from the host copies: no device synchronization.
+    use_top_k, use_top_p = bool((batch.top_k > 0).any()), bool((batch.top_p < 1.0).any())
     temperature = batch.temperature.to(device)
-    top_k, top_p = batch.top_k.to(device), batch.top_p.to(device)
     scaled = logits / temperature.clamp(min=1e-5).view(-1, 1)
-    if bool((top_k > 0).any()):
-        scaled = _filter_top_k(scaled, top_k)
-    if bool((top_p < 1.0).any()):
-        scaled = _filter_top_p(scaled, top_p)
+    if use_top_k:
+        scaled = _filter_top_k(scaled, batch.top_k)
+    if use_top_p:
+        scaled = _filter_top_p(scaled, batch.top_p.to(device))
     uniform = counter_uniform(batch.seed.to(device), batch.step.to(device), logits.shape[-1])
     gumbel = -torch.log(-torch.log(uniform))
     sampled = (scaled + gumbel).argmax(dim=-1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ppqa.engine.kv_cache import CachedDocument, DocumentCache, KVPool, ReqToTokenTable
@@ -185,8 +186,9 @@ class Scheduler:
         batch, width = len(requests), requests[0].width
         pad = max(0, pad_to - batch)
         prefix = torch.tensor([r.prefix_len for r in requests] + [0] * pad)
-        next_pos = torch.stack([r.next_pos for r in requests] + [torch.zeros(width, dtype=torch.int64)] * pad)
-        live = torch.stack([r.live for r in requests] + [torch.zeros(width, dtype=torch.bool)] * pad)
+        dummy = [np.zeros(width, dtype=np.int64)] * pad
+        next_pos = torch.from_numpy(np.stack([r.next_pos for r in requests] + dummy))
+        live = torch.from_numpy(np.stack([r.live for r in requests] + [d.astype(bool) for d in dummy]))
         layout, _ = decode_layout(prefix, next_pos, live)
         tokens = (batch + pad) * width
         rows = [r.row for r in requests] + [self.table.DUMMY_ROW] * pad
@@ -202,8 +204,8 @@ class Scheduler:
                 groups.append((batch, batch + pad, 0))  # the dummies' "document" is empty
             kv_start = torch.tensor([r.doc_len for r in requests] + [0] * pad)
         return StepInputs(
-            kind=kind, input_ids=torch.cat([r.last_token for r in requests]
-                                           + [torch.zeros(pad * width, dtype=torch.int64)]),
+            kind=kind, input_ids=torch.from_numpy(np.concatenate([r.last_token for r in requests]
+                                                                 + dummy)),
             layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
             req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
             logit_indices=torch.arange(tokens), cascade_groups=groups)
@@ -215,8 +217,8 @@ class Scheduler:
         def cat(name: str, pad_value) -> torch.Tensor:
             parts = [getattr(r, name)[:len(r.streams)] if prefill else getattr(r, name)
                      for r in requests]
-            dtype = parts[0].dtype
-            return torch.cat(parts + [torch.full((pad_rows,), pad_value, dtype=dtype)])
+            parts.append(np.full(pad_rows, pad_value, dtype=parts[0].dtype))
+            return torch.from_numpy(np.concatenate(parts))
         return SamplingBatch(temperature=cat("temperature", 0.0), top_p=cat("top_p", 1.0),
                              top_k=cat("top_k", 0), seed=cat("seed", 0), step=cat("num_out", 0),
                              all_greedy=all(r.all_greedy for r in requests))
@@ -236,10 +238,10 @@ class Scheduler:
                 picks = tokens[offset:offset + len(fed)]
                 offset += len(fed)
             else:
-                live = req.live.clone()
-                fed = torch.nonzero(live).flatten().tolist()
+                live = req.live.copy()
+                fed = np.flatnonzero(live).tolist()
                 req.prefix_len += len(fed)
-                req.next_pos += live.to(torch.int64)
+                req.next_pos += live
                 picks = [tokens[offset + s] for s in fed]
                 offset += req.width
             for s, token in zip(fed, picks):
