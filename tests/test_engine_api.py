@@ -192,3 +192,15 @@ def test_auto_mode_choice(tmp_path: Path) -> None:
     many = eng.run([QuestionRequest(i, "doc", f"q{i}", sp) for i in range(5)], mode="auto")
     assert (one.mode, one.streams) == ("stock", 1)
     assert (many.mode, many.streams) == ("parallel", 5)  # P = 32 capped at the question count
+
+
+def test_pack_streams_balances_requests_and_respects_the_pool() -> None:
+    from ppqa.engine.scheduler import pack_streams
+
+    assert pack_streams([5] * 40, 32, 100, 10_000) == [list(range(20)), list(range(20, 40))]
+    assert pack_streams([5] * 3, 32, 100, 10_000) == [[0, 1, 2]]
+    # 100 document tokens + 8 x 50 reserved > 300: split until each request fits.
+    groups = pack_streams([50] * 8, 8, 100, 300)
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 100 + 4 x 50 = 300 fits exactly
+    assert len(pack_streams([50] * 8, 8, 101, 300)) == 4

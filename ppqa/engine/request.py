@@ -3,8 +3,9 @@ document and P streams (P = 1 for `stock` and `cascade`); a `Stream` is one ques
 
 Per-stream state that every step needs (next rotary position, live flag, last token, sampling
 parameters) is kept in small [P] numpy arrays (cheap to update one element, cheap to concatenate),
-so the scheduler builds a step for B requests with a few concatenations, not a loop over tokens. `Request.accept` applies one sampled token to a
-stream: EOS, stop strings and the token budget end it.
+so the scheduler builds a step for B requests with a few concatenations, not a loop over tokens.
+`Request.accept` applies one sampled token to a stream: EOS, stop strings and the token budget
+end it.
 """
 
 from __future__ import annotations
