@@ -20,6 +20,7 @@ import torch
 
 from ppqa.config import EngineConfig, SamplingParams
 from ppqa.engine.engine_setup import EngineParts, build_parts
+from ppqa.engine.kv_cache import document_key
 from ppqa.engine.outputs import MODES, Answer, PromptTooLongError, QuestionRequest, RunStats
 from ppqa.engine.request import Request, Stream
 from ppqa.engine.sampling import sample
@@ -186,10 +187,11 @@ class Engine:
 
     def _requests(self, doc_ids: list[int], streams: list[Stream], mode: str,
                   width: int) -> list[Request]:
+        key = document_key(doc_ids)  # hashed once per document, not once per request
         if mode != "parallel":
-            return [Request(doc_ids, [s], width=1) for s in streams]
+            return [Request(doc_ids, [s], width=1, doc_key=key) for s in streams]
         sizes = [len(s.suffix_ids) + s.sampling.max_new_tokens for s in streams]
-        return [Request(doc_ids, [streams[i] for i in group], width=width)
+        return [Request(doc_ids, [streams[i] for i in group], width=width, doc_key=key)
                 for group in pack_streams(sizes, width, len(doc_ids), self.kv_capacity)]
 
     def _loop(self, sched: Scheduler, stats: RunStats, started: float, on_answer,

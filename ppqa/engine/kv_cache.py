@@ -170,8 +170,9 @@ class DocumentCache:
     def __len__(self) -> int:
         return len(self._docs)
 
-    def get(self, token_ids: list[int]) -> CachedDocument | None:
-        return self._docs.get(document_key(token_ids))
+    def get(self, token_ids: list[int], key: bytes | None = None) -> CachedDocument | None:
+        """The cached document with these tokens (`key`: their `document_key`, if known)."""
+        return self._docs.get(key or document_key(token_ids))
 
     def acquire(self, doc: CachedDocument) -> None:
         doc.ref_count += 1
@@ -183,13 +184,14 @@ class DocumentCache:
         doc.ref_count -= 1
         doc.last_used = next(self._clock)
 
-    def insert(self, token_ids: list[int]) -> CachedDocument | None:
+    def insert(self, token_ids: list[int], key: bytes | None = None) -> CachedDocument | None:
         """Allocate slots for a new (not yet prefilled) document; None if even eviction can't."""
         slots = self.alloc(len(token_ids))
         if slots is None:
             return None
         uid = next(self._clock)
-        doc = CachedDocument(document_key(token_ids), list(token_ids), slots, last_used=uid, uid=uid)
+        doc = CachedDocument(key or document_key(token_ids), list(token_ids), slots, last_used=uid,
+                             uid=uid)
         self._docs[doc.key] = doc
         return doc
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ppqa.config import SamplingParams
-from ppqa.engine.kv_cache import CachedDocument
+from ppqa.engine.kv_cache import CachedDocument, document_key
 
 
 @dataclass(eq=False)
@@ -46,10 +46,12 @@ class Request:
     row: int = -1
     slots: torch.Tensor | None = None  # reserved for questions + answers, after the document
     prefix_len: int = 0  # row tokens cached so far
+    doc_key: bytes = b""  # document_key(doc_ids); computed here unless the caller shares one
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.streams) <= self.width:
             raise ValueError(f"a request holds 1..{self.width} streams, got {len(self.streams)}")
+        self.doc_key = self.doc_key or document_key(self.doc_ids)
         width, n = self.width, len(self.streams)
         pad = width - n
         self.next_pos = np.zeros(width, dtype=np.int64)

@@ -93,9 +93,9 @@ class Scheduler:
     def _allocate(self, req: Request) -> bool:
         if self.table.num_free_rows == 0:
             return False
-        doc = self.docs.get(req.doc_ids)
+        doc = self.docs.get(req.doc_ids, req.doc_key)
         if doc is None:
-            doc = self.docs.insert(req.doc_ids)
+            doc = self.docs.insert(req.doc_ids, req.doc_key)
             if doc is None:
                 return False
         self.docs.acquire(doc)  # pinned before the reservation so eviction cannot take it

@@ -49,17 +49,21 @@ def attend_runs(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, runs:
     if not runs:
         return (torch.zeros(n, heads, dim, dtype=torch.float32, device=q.device),
                 torch.full((n, heads), float("-inf"), device=q.device))
-    qf = q.float().reshape(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
-    scores = torch.cat([qf @ k_buf[a:b].float().permute(1, 2, 0).unsqueeze(1) for a, b in runs],
-                       dim=-1) * scale  # [KVH, G, n, L]
+    group = heads // kv_heads
+    # [KVH, G * n, D]: plain batched matmuls against [KVH, D, L] views of the pool (no broadcast,
+    # so BLAS reads the strided pool in place instead of materializing a copy).
+    qf = q.float().reshape(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, dim)
+    scores = torch.cat([torch.bmm(qf, k_buf[a:b].float().permute(1, 2, 0)) for a, b in runs],
+                       dim=-1) * scale  # [KVH, G * n, L]
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     out, offset = None, 0
     for a, b in runs:
-        part = probs[..., offset:offset + b - a] @ v_buf[a:b].float().permute(1, 0, 2).unsqueeze(1)
+        part = torch.bmm(probs[..., offset:offset + b - a], v_buf[a:b].float().permute(1, 0, 2))
         out = part if out is None else out + part
         offset += b - a
-    return out.permute(2, 0, 1, 3).reshape(n, heads, dim), lse.permute(2, 0, 1).reshape(n, heads)
+    out = out.reshape(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+    return out, lse.reshape(kv_heads, group, n).permute(2, 0, 1).reshape(n, heads)
 
 
 def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
@@ -92,7 +96,7 @@ class TorchBackend:
             for b, row in enumerate(rows):
                 slots = table[row, kv_start[b]:prefix[b]].long()
                 mask = extend_mask(self.pool.slot_sid[slots], meta.q_sid[indptr[b]:indptr[b + 1]])
-                plan.append((indptr[b], indptr[b + 1], slots, mask))
+                plan.append((indptr[b], indptr[b + 1], slot_runs(slots), mask))
             self._plan = {"extend": plan}
         else:
             # Decode: the new token's slot is already in the row at prefix_len (written first).
@@ -124,9 +128,10 @@ class TorchBackend:
 
     def _extend(self, q, k, v, k_buf, v_buf) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        for start, end, slots, mask in self._plan["extend"]:
-            keys = torch.cat([k_buf[slots], k[start:end].to(k_buf.dtype)]).float()
-            values = torch.cat([v_buf[slots], v[start:end].to(v_buf.dtype)]).float()
+        for start, end, runs, mask in self._plan["extend"]:
+            # Runs of consecutive slots copy as blocks, far faster than a per-slot gather.
+            keys = torch.cat([k_buf[a:b] for a, b in runs] + [k[start:end].to(k_buf.dtype)]).float()
+            values = torch.cat([v_buf[a:b] for a, b in runs] + [v[start:end].to(v_buf.dtype)]).float()
             # [1, heads, tokens, dim] layout; GQA heads share their KV head inside SDPA.
             out[start:end] = F.scaled_dot_product_attention(
                 q[start:end].float().transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
