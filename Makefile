@@ -27,8 +27,10 @@ demo: setup
 	@mkdir -p .demo && rm -f $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
 	$(PPQA) ingest examples/harrowmere.txt examples/questions.txt --name harrowmere
 	$(PPQA) status
-	@# Placeholder for the next steps of the main job, one line each, as they land:
-	@#   $(PPQA) run --once   /   $(PPQA) show 1   /   $(PPQA) report   /   $(PPQA) export answers.csv
+	$(PPQA) run --once --device cpu
+	$(PPQA) show 1
+	$(PPQA) report
+	$(PPQA) export answers.csv
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -4,8 +4,9 @@ Each test queues jobs through the store's Python API, starts workers with `pytho
 (tiny random model `dummy:tiny-mha` on the CPU, so a worker is ready in about a second) and then
 reads the store to check the promises of issue 5: every question ends with exactly one answer,
 no job is claimed by two workers, none is lost or left `running`. The crash and concurrency
-tests run on SQLite and on the PostgreSQL server at 127.0.0.1:5432 (a fresh schema per test);
-without a reachable server the PostgreSQL cases are skipped with a message saying how to run them.
+tests run on SQLite and on the PostgreSQL server at 127.0.0.1:5432 (conftest's `db_location`: a
+fresh schema per test); without a reachable server the PostgreSQL cases are skipped with a
+message saying how to run them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-import pytest
 from sqlalchemy import func, select
 
 from ppqa.store.db import open_db
@@ -29,39 +28,7 @@ from ppqa.store.models import Answer, Job, Question, Report
 from ppqa.store.params import GenerationParams
 
 REPO = Path(__file__).resolve().parents[1]
-PG_URL = os.environ.get("PPQA_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-PG_HOW = ("PostgreSQL is not reachable at 127.0.0.1:5432: start a server there with trust auth "
-          "and a database `test` (or set PPQA_TEST_PG_URL), then run `pytest -m postgres`")
 WAIT_S = 120  # generous bound on any wait, so that a hang fails instead of blocking CI
-
-
-def _pg_schema_url(schema: str) -> str:
-    return f"{PG_URL}{'&' if '?' in PG_URL else '?'}options=-csearch_path%3D{schema}"
-
-
-def _pg_admin(sql: str) -> None:
-    import psycopg
-
-    conninfo = PG_URL.replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(conninfo, connect_timeout=3, autocommit=True) as conn:
-        conn.execute(sql)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_url(request, tmp_path):
-    """A fresh, empty store: a SQLite file, or a new schema in the PostgreSQL test database."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "jobs.db")
-        return
-    schema = f"ppqa_test_{uuid.uuid4().hex[:12]}"
-    try:
-        _pg_admin(f"CREATE SCHEMA {schema}")
-    except Exception as exc:  # noqa: BLE001 - any failure to connect means: not available here
-        pytest.skip(f"{PG_HOW} ({type(exc).__name__})")
-    try:
-        yield _pg_schema_url(schema)
-    finally:
-        _pg_admin(f"DROP SCHEMA {schema} CASCADE")
 
 
 def queue_jobs(url: str, documents: int, jobs_per_document: int, questions_per_job: int,
@@ -138,17 +105,17 @@ def all_answered_once(url: str, jobs: int) -> dict:
     return c
 
 
-def test_kill_9_mid_job_then_another_worker_finishes_it(store_url, tmp_path):
+def test_kill_9_mid_job_then_another_worker_finishes_it(db_location, tmp_path):
     # Jobs of one document run together and end at different steps (2 to 32 tokens), so the
     # first answers are written while the other jobs of the batch are still being generated.
-    jobs = queue_jobs(store_url, documents=2, jobs_per_document=4, questions_per_job=4,
+    jobs = queue_jobs(db_location, documents=2, jobs_per_document=4, questions_per_job=4,
                       max_new_tokens=(2, 12, 22, 32))
-    first = start_worker(store_url, tmp_path, "a", "--lease-seconds", "2", "--max-jobs", "4")
-    wait_for_answers(store_url, first)
+    first = start_worker(db_location, tmp_path, "a", "--lease-seconds", "2", "--max-jobs", "4")
+    wait_for_answers(db_location, first)
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=WAIT_S)
 
-    db = open_db(store_url)
+    db = open_db(db_location)
     with db.read() as conn:
         stranded = conn.execute(select(Job.id).where(Job.status == "running")).scalars().all()
         kept = dict(conn.execute(select(Answer.question_id, Answer.id)).all())
@@ -156,14 +123,14 @@ def test_kill_9_mid_job_then_another_worker_finishes_it(store_url, tmp_path):
             select(Question.job_id).outerjoin(Answer, Answer.question_id == Question.id)
             .where(Question.job_id.in_(stranded), Answer.id.is_(None))).scalars())
     db.close()
-    before = counts(store_url)
+    before = counts(db_location)
     assert stranded, "the kill should leave the job it was working on running"
     assert 0 < before["answers"] < before["questions"], before
 
     time.sleep(2.5)  # the dead worker's 2 s lease must run out before another may take its jobs
-    summary = finish(start_worker(store_url, tmp_path, "b", "--lease-seconds", "2"), tmp_path, "b")
-    all_answered_once(store_url, jobs)
-    db = open_db(store_url)
+    summary = finish(start_worker(db_location, tmp_path, "b", "--lease-seconds", "2"), tmp_path, "b")
+    all_answered_once(db_location, jobs)
+    db = open_db(db_location)
     with db.read() as conn:
         after = dict(conn.execute(select(Answer.question_id, Answer.id)).all())
         attempts = dict(conn.execute(select(Job.id, Job.attempts).where(Job.id.in_(stranded))).all())
@@ -176,19 +143,19 @@ def test_kill_9_mid_job_then_another_worker_finishes_it(store_url, tmp_path):
     assert unfinished and unfinished <= {j["job_id"] for j in summary["jobs"] if j["status"] == "done"}
 
 
-def test_three_workers_share_one_store_without_double_claims(store_url, tmp_path):
+def test_three_workers_share_one_store_without_double_claims(db_location, tmp_path):
     # One answer token each: the answer comes from the prefill step, so the engine's work is
-    # small and the test is about claims and writes (300 jobs, 600 answers, 3 processes).
-    jobs = queue_jobs(store_url, documents=30, jobs_per_document=10, questions_per_job=2,
+    # small and the test is about claims and writes (200 jobs, 400 answers, 3 processes).
+    jobs = queue_jobs(db_location, documents=20, jobs_per_document=10, questions_per_job=2,
                       max_new_tokens=(1,))
-    workers = [start_worker(store_url, tmp_path, name, "--max-jobs", "20") for name in "abc"]
+    workers = [start_worker(db_location, tmp_path, name, "--max-jobs", "20") for name in "abc"]
     summaries = [finish(w, tmp_path, name) for w, name in zip(workers, "abc")]
 
-    all_answered_once(store_url, jobs)
+    all_answered_once(db_location, jobs)
     done_by = [{j["job_id"] for j in s["jobs"] if j["status"] == "done"} for s in summaries]
     assert sum(len(d) for d in done_by) == jobs  # each job finished by exactly one worker
     assert set().union(*done_by) == set(range(1, jobs + 1))
-    db = open_db(store_url)
+    db = open_db(db_location)
     with db.read() as conn:
         attempts = conn.execute(select(Job.attempts).distinct()).scalars().all()
         reports = conn.execute(select(Report.job_id, func.count()).group_by(Report.job_id)).all()
