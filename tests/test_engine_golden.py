@@ -52,11 +52,12 @@ def assert_same(reference: list[Answer], other: list[Answer], label: str) -> Non
             f"{label}: question {i} differs from stock"
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("preset", MODELS)
-def test_parallel_and_cascade_match_stock(preset: str, tmp_path: Path) -> None:
-    eng = tiny_engine(preset)
+def test_parallel_and_cascade_match_stock(preset: str, seed: int, tmp_path: Path) -> None:
+    eng = tiny_engine(preset, seed=seed)  # seed: the random weights as well as the workload
     tmpl = plain_template(tmp_path)
-    rng = random.Random(preset)
+    rng = random.Random(f"{preset}-{seed}")
     reasons, lengths = collections.Counter(), set()
     for doc_chars, n_questions, stream_counts in [(0, 4, (1, 3)), (36, 9, (3, 8)),
                                                   (299, 66, (8, 64))]:
