@@ -204,3 +204,23 @@ def test_pack_streams_balances_requests_and_respects_the_pool() -> None:
     assert sorted(i for g in groups for i in g) == list(range(8))
     assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 100 + 4 x 50 = 300 fits exactly
     assert len(pack_streams([50] * 8, 8, 101, 300)) == 4
+
+
+def test_from_loaded_builds_the_same_engine_as_a_spec(tmp_path: Path) -> None:
+    import torch
+
+    from ppqa.engine.loader import LoadedModel
+    from ppqa.engine.presets import dummy_weights, preset_config
+
+    config, std, tokenizer = preset_config("tiny-odd")
+    weights = list(dummy_weights(config, std, device=torch.device("cpu"), dtype=torch.float32, seed=0))
+    eng = Engine.from_loaded(LoadedModel(config, weights, tokenizer, "test weights"), device="cpu",
+                             config=EngineConfig(kv_token_budget=512), model_name="mine")
+    assert eng.model_name == "mine" and eng.config.kv_token_budget == 512
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    tmpl = plain_template(tmp_path)
+    ours = eng.answer("some document", ["q1", "q22"], mode="parallel", sampling=sp, template=tmpl)
+    spec = tiny_engine("tiny-odd").answer("some document", ["q1", "q22"], mode="stock",
+                                          sampling=sp, template=tmpl)
+    assert [a.token_ids for a in ours] == [a.token_ids for a in spec]
+    assert [a.question_index for a in ours] == [0, 1]
