@@ -30,6 +30,7 @@ class Counters:
         self.tokens = 0
         self.started: float | None = None
         self.in_flight: dict[int, list] = {}  # document id -> [name, done, total, open jobs]
+        self.claimed: dict[int, int] = {}  # job id -> questions claimed
         self.lock = threading.Lock()
 
     def claim(self, claims, waiting: int) -> None:
@@ -39,6 +40,7 @@ class Counters:
             claimed = sum(len(c.questions) for c in claims)
             self.total = self.done + claimed + waiting + self._open_questions()
             for c in claims:
+                self.claimed[c.job_id] = len(c.questions)
                 doc = self.in_flight.setdefault(c.document_id, [c.document_name, 0, 0, 0])
                 doc[2] += len(c.questions)
                 doc[3] += 1
@@ -52,15 +54,17 @@ class Counters:
             self.tokens += tokens
             self.in_flight[claim.document_id][1] += 1
 
-    def settle(self, document_id: int) -> bool:
-        """True when the document has no job left in flight."""
+    def settle(self, outcome: JobOutcome) -> bool:
+        """Count a job out (its unanswered questions leave the total: they are not this
+        worker's to do any more); True when its document has no job left in flight."""
         with self.lock:
-            doc = self.in_flight.get(document_id)
+            self.total -= self.claimed.pop(outcome.job_id, outcome.answered) - outcome.answered
+            doc = self.in_flight.get(outcome.document_id)
             if doc is None:
                 return True
             doc[3] -= 1
             if doc[3] <= 0:
-                del self.in_flight[document_id]
+                del self.in_flight[outcome.document_id]
                 return True
             return False
 
@@ -144,7 +148,7 @@ class LogProgress(_Base):
                 f"remaining ~{_hms(c.remaining)}")
 
     def settled(self, outcome: JobOutcome) -> None:
-        self.counters.settle(outcome.document_id)
+        self.counters.settle(outcome)
         self.console.print(outcome_line(outcome))
 
     def finished(self, summary: WorkerSummary) -> None:
@@ -183,8 +187,9 @@ class RichProgress(_Base):
 
     def settled(self, outcome: JobOutcome) -> None:
         doc_id = outcome.document_id
-        if self.counters.settle(doc_id) and doc_id in self.doc_tasks:
+        if self.counters.settle(outcome) and doc_id in self.doc_tasks:
             self.bars.remove_task(self.doc_tasks.pop(doc_id))
+        self.bars.update(self.overall, total=self.counters.total)
         if outcome.status != "done":
             self.console.print(outcome_line(outcome))
 

@@ -1,0 +1,79 @@
+"""`ppqa run`'s progress renderers: the counts they show, Rich bars on a terminal, log lines elsewhere.
+
+Fed by hand with the store's own `ClaimedJob` and the worker's `JobOutcome`, the way the worker
+feeds them; output goes to an in-memory console (forced to act as a terminal for Rich).
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import datetime
+
+from rich.console import Console
+
+from ppqa.cli.run_progress import LogProgress, RichProgress, make_progress
+from ppqa.store.params import GenerationParams
+from ppqa.store.queue import ClaimedJob, ClaimedQuestion
+from ppqa.worker import WorkerOptions
+from ppqa.worker_report import JobOutcome, WorkerSummary
+
+
+def _claim(job_id: int, document_id: int, questions: int) -> ClaimedJob:
+    return ClaimedJob(job_id, document_id, f"doc-{document_id}", "text", "0" * 64,
+                      GenerationParams(), 0, 1, questions,
+                      [ClaimedQuestion(100 * job_id + i, i, str(i), f"q{i}?")
+                       for i in range(questions)], datetime(2026, 1, 1))
+
+
+def _outcome(claim: ClaimedJob, status: str, answered: int) -> JobOutcome:
+    return JobOutcome(claim.job_id, claim.document_id, claim.document_name, status, answered,
+                      claim.question_count, answered * 5)
+
+
+def test_counts_follow_claims_answers_and_settled_jobs():
+    sink = LogProgress(Console(file=io.StringIO()), waiting_questions=lambda: 10)
+    a, b = _claim(1, 1, 4), _claim(2, 2, 3)
+    sink.claimed([a, b])
+    c = sink.counters
+    assert (c.done, c.total, len(c.in_flight)) == (0, 4 + 3 + 10, 2)
+    for _ in range(4):
+        sink.answered(a, 5)
+    sink.answered(b, 5)
+    sink.settled(_outcome(a, "done", 4))
+    # The failed job's two unanswered questions are no longer this worker's to do.
+    sink.settled(_outcome(b, "failed", 1))
+    assert (c.done, c.tokens, c.total, c.in_flight) == (5, 25, 15, {})
+
+
+def test_rich_progress_draws_a_bar_per_document_in_flight():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, highlight=False, color_system=None)
+    sink = RichProgress(console, lambda: 0)
+    sink.started(WorkerOptions(model="dummy:tiny-mha", worker_id="w1"))
+    first, second = _claim(1, 1, 2), _claim(2, 7, 2)
+    sink.claimed([first, second])
+    sink.answered(first, 3)
+    assert {t.description.strip() for t in sink.bars.tasks} == {"all questions", "doc-1", "doc-7"}
+    sink.answered(first, 3)
+    sink.settled(_outcome(first, "done", 2))
+    sink.settled(_outcome(second, "released", 0))
+    assert [t.description.strip() for t in sink.bars.tasks] == ["all questions"]
+    summary = WorkerSummary("w1", "dummy:tiny-mha", "cpu", [_outcome(first, "done", 2)])
+    sink.finished(summary)
+    text = out.getvalue()
+    assert "worker w1, model dummy:tiny-mha" in text and "1 job(s) done" in text
+    assert "job 2 released with 0 answers saved" in text  # unfinished work is reported
+
+
+def test_plain_lines_when_stderr_is_not_a_terminal():
+    out = io.StringIO()
+    sink = make_progress(lambda: 0, stream=out)
+    assert isinstance(sink, LogProgress)
+    job = _claim(3, 1, 1)
+    sink.claimed([job])
+    sink.answered(job, 5)
+    sink.settled(JobOutcome(3, 1, "doc-1", "failed", 0, 1, 0, error="document too long"))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "claimed 1 job(s) (3) of doc-1: 1 questions"
+    assert lines[-1] == "job 3 failed: document too long"
+    assert "\x1b[" not in out.getvalue()  # no terminal escapes in logs
