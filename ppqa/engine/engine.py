@@ -37,6 +37,12 @@ def choose_mode(mode: str, questions_per_document: Sequence[int]) -> str:
 
 
 class Engine:
+    """A loaded model with its KV pool and document cache; `answer` and `run` use it.
+
+    `Engine("smollm2")`, an HF directory, a .gguf path or "dummy:<preset>"; `device` and `dtype`
+    override the config's (default: cuda if present, bf16 there and fp32 on the CPU).
+    """
+
     def __init__(self, model: str = "smollm2", *, device: str | None = None, dtype: object = None,
                  config: EngineConfig | None = None) -> None:
         from ppqa.engine.loader import load_model  # the loader pulls tokenizers etc.; import late
