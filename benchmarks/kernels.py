@@ -29,7 +29,10 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ppqa.engine.attention import CascadeMetadata, ForwardMetadata  # noqa: E402
 from ppqa.engine.triton_backend import TritonBackend  # noqa: E402
+from ppqa.kernels._arch import Tiles  # noqa: E402
 from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
+from ppqa.kernels.decode_attention import decode_attention  # noqa: E402
+from ppqa.kernels.extend_attention import extend_attention  # noqa: E402
 
 COPY_BW, MATMUL = 4.3e12, 790e12  # measured on this H200 (KINDS.md); re-measured below
 MODELS = {"codellama-7b": (32, 32, 128), "qwen2.5-7b": (28, 4, 128)}
@@ -201,12 +204,60 @@ def cell(model: str, doc_len: int, questions: int, gen) -> list[dict]:
     return out
 
 
+SWEEP = {  # (block_m, block_n, num_warps, num_stages); the first of each is the default
+    "decode_mha": [(1, 64, 4, 2), (1, 32, 4, 2), (1, 64, 8, 2), (1, 128, 8, 2), (1, 64, 4, 3)],
+    "decode_gqa": [(16, 64, 4, 2), (16, 32, 4, 2), (16, 128, 8, 2), (16, 64, 4, 3)],
+    "extend": [(64, 32, 8, 2), (32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 8, 2)],
+    "prefix": [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2)],
+}
+
+
+def sweep(model: str, doc_len: int, questions: int, gen) -> list[dict]:
+    """Tile variants of each kernel on one cell, splits as the backend plans them."""
+    grid = Grid(MODELS[model], doc_len, questions, gen)
+    rows = []
+
+    def record(kernel, tiles, fn):
+        try:
+            rows.append({"mode": f"sweep_{kernel}", "tiles": tiles, "ms": round(bench(fn), 4)})
+        except Exception as e:  # a variant that does not compile is a result too
+            rows.append({"mode": f"sweep_{kernel}", "tiles": tiles, "error": str(e)[:160]})
+
+    backend, meta = grid.stock()
+    o = torch.empty_like(grid.q)
+    kind = "decode_mha" if grid.num_heads == grid.num_kv_heads else "decode_gqa"
+    for t in SWEEP[kind]:
+        record(kind, t, lambda t=t: decode_attention(
+            grid.q, o, grid.k, grid.v, meta.req_to_token, meta.req_indices, meta.kv_start,
+            meta.prefix_lens, backend.sm_scale, num_splits=backend.plan(meta).splits,
+            scratch=backend.scratch, seq_len_offset=1, tiles=Tiles(*t)))
+    backend, meta = grid.parallel(32)
+    for t in SWEEP["extend"]:
+        record("extend", t, lambda t=t: extend_attention(
+            grid.q, grid.k_new, grid.v_new, o, grid.k, grid.v, meta.req_to_token,
+            meta.req_indices, meta.kv_start, meta.prefix_lens, meta.qo_indptr, meta.q_sid,
+            backend.pool.slot_sid, meta.max_extend_len, backend.sm_scale,
+            max_prefix_len=meta.max_prefix_len, scratch=backend.scratch, tiles=Tiles(*t)))
+    backend, meta = grid.stock(cascade=True)
+    casc, splits = meta.cascade, backend.plan(meta).prefix_splits
+    part = backend.scratch.views(questions, grid.num_heads, splits, grid.head_dim)
+    for t in SWEEP["prefix"]:
+        record("prefix", t, lambda t=t: launch_shared_prefix(
+            grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
+            casc.doc_req_indices, casc.doc_lens, casc.max_group_size, backend.sm_scale, splits,
+            *part, tiles=Tiles(*t)))
+    for row in rows:
+        row.update(model=model, doc_tokens=doc_len, questions=questions)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     default_out = os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json")
     parser.add_argument("--out", default=default_out)
     parser.add_argument("--quick", action="store_true", help="16k/256 cells only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     args = parser.parse_args()
     if args.smoke:
         MODELS.update({"codellama-7b": (4, 4, 16), "qwen2.5-7b": (6, 2, 16)})
@@ -221,6 +272,9 @@ def main() -> None:
     if args.smoke:
         docs, qs = [300], [64]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if not args.no_sweep:
+        for model in MODELS:
+            result["rows"] += sweep(model, docs[-1], qs[-1], gen)
     for model in MODELS:
         for doc_len in docs:
             for questions in qs:
@@ -231,6 +285,10 @@ def main() -> None:
     print(f"{'model':13} {'L':>6} {'Q':>4} {'mode':17} {'P':>4} {'ms':>8} {'floor':>7} "
           f"{'x':>6} {'readTB/s':>9} {'TFLOP/s':>8} diff")
     for r in result["rows"]:
+        if r["mode"].startswith("sweep_"):
+            print(f"{r['model']:13} {r['doc_tokens']:6} {r['questions']:4} {r['mode']:17} "
+                  f"{str(r['tiles']):>16} {r.get('ms', r.get('error'))}")
+            continue
         if "error" in r:
             print(f"{r['model']:13} {r['doc_tokens']:6} {r['questions']:4} {r['mode']:17} error")
             continue

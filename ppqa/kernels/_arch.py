@@ -41,14 +41,20 @@ def _cuda_props(index: int) -> tuple[int, int, int]:
     return props.multi_processor_count, props.major, props.minor
 
 
+def is_gpu(device: torch.device) -> bool:
+    """Whether launches on `device` compile for a GPU (else: Triton's CPU interpreter).
+    benchmarks/compile_check.py replaces this to compile GPU variants on a CPU machine."""
+    return device.type == "cuda"
+
+
 def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
+    if not is_gpu(device):
         return INTERPRETER_SMS
     return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
-    if device.type != "cuda":
+    if not is_gpu(device):
         return (0, 0)
     _, major, minor = _cuda_props(
         device.index if device.index is not None else torch.cuda.current_device()
@@ -62,30 +68,38 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
-    """Tiles for the extend kernel; `rows` = query rows one request needs (tokens x group)."""
+    """Tiles for the extend kernel; `rows` = query rows one request needs (tokens x group).
+
+    On sm_90 (bf16/fp16) the two-stage kernel spills registers past 16x64 or 64x32 tiles with
+    8 warps (benchmarks/compile_check.py; NOTES.md has the table), so query tiles stop at 64.
+    fp32 (exact "ieee" dots, for tests) uses the smallest tiles that compile without spills.
+    """
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
-    if device.type != "cuda":
+    if not is_gpu(device):
         return Tiles(min(want_m, 128), 128, 4, 1)
-    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
-    block_m = min(want_m, 64 if wide else 128)
-    block_n = 32 if wide else 64
-    num_warps = 8 if block_m >= 128 else 4
-    stages = 3 if _capability(device) >= (8, 0) and block_m <= 64 else 2
-    return Tiles(block_m, block_n, num_warps, stages)
+    if dtype == torch.float32:
+        return Tiles(16, 32, 4, 2)
+    block_m = min(want_m, 64)
+    return Tiles(block_m, 64 if block_m <= 32 else 32, 8, 2)
 
 
 def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
     """Tiles for the paged decode kernel: block_m holds one KV head's query heads."""
     block_m = 1 if group == 1 else max(16, triton.next_power_of_2(group))
-    if device.type != "cuda":
+    if not is_gpu(device):
         return Tiles(block_m, 128, 4, 1)
     block_n = 32 if dtype == torch.float32 else 64
     return Tiles(block_m, block_n, 4, 2)
 
 
 def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
-    """Tiles for the shared-prefix (cascade) kernel: a matrix product over the document."""
-    return extend_tiles(device, dtype, rows)
+    """Tiles for the shared-prefix (cascade) kernel, one loop: 128 x 64 with 8 warps fits."""
+    want_m = max(16, triton.next_power_of_2(max(rows, 1)))
+    if not is_gpu(device):
+        return Tiles(min(want_m, 128), 128, 4, 1)
+    if dtype == torch.float32:
+        return Tiles(16, 32, 4, 2)
+    return Tiles(min(want_m, 128), 64, 8, 2)
 
 
 def choose_splits(
@@ -107,5 +121,11 @@ def choose_splits(
 def kernel_dtypes(dtype: torch.dtype, device: torch.device):
     """(DOT_DT, P_DT, PREC) constexprs for a pool dtype (see _tile.py on the interpreter's bf16)."""
     p_dt = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
-    dot_dt = tl.float32 if (device.type != "cuda" and dtype == torch.bfloat16) else p_dt
+    dot_dt = tl.float32 if (not is_gpu(device) and dtype == torch.bfloat16) else p_dt
     return dot_dt, p_dt, dot_precision(dtype)
+
+
+def needs_int64(pool: torch.Tensor) -> bool:
+    """Whether element offsets into a pool buffer can pass 2^31 (then kernels index in int64;
+    int32 offsets save registers, e.g. 255 -> 203 in the GQA decode kernel)."""
+    return pool.numel() >= 2**31

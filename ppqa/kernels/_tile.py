@@ -13,8 +13,9 @@ probabilities are rounded to it before P.V, as on the GPU.
 import triton
 import triton.language as tl
 
-LN2: tl.constexpr = 0.6931471805599453
-NEG_BIG: tl.constexpr = -1.0e30
+# Globals read inside @triton.jit code must be tl.constexpr instances (an annotation is not enough).
+LN2 = tl.constexpr(0.6931471805599453)
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

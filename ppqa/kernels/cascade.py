@@ -39,7 +39,7 @@ def _prefix_kernel(
     stride_pool_s, stride_pool_h, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
+    DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,7 +73,9 @@ def _prefix_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         c_ok = cols < hi
-        slots = tl.load(Req_to_token + doc * stride_r2t + cols, mask=c_ok, other=0).to(tl.int64)
+        slots = tl.load(Req_to_token + doc * stride_r2t + cols, mask=c_ok, other=0)
+        if IDX64:
+            slots = slots.to(tl.int64)
         kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
         kv_mask = c_ok[:, None] & d_ok[None, :]
         k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
@@ -90,9 +92,10 @@ def _prefix_kernel(
     )
 
 
-def _tiling(device, dtype, group: int, max_group_size: int) -> tuple[_arch.Tiles, int, int]:
+def _tiling(device, dtype, group: int, max_group_size: int,
+            tiles: _arch.Tiles | None = None) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per group and KV head)."""
-    tiles = _arch.prefix_tiles(device, dtype, max_group_size * group)
+    tiles = tiles or _arch.prefix_tiles(device, dtype, max_group_size * group)
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     return tiles, block_m, triton.cdiv(max(max_group_size, 1), block_m // group)
 
@@ -112,13 +115,13 @@ def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_head
 def launch_shared_prefix(
     q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
     max_group_size: int, sm_scale: float, num_splits: int, part_o, part_lse,
-    state_offset: int = 0,
+    state_offset: int = 0, tiles: _arch.Tiles | None = None,
 ) -> None:
     """Partial states of the document part into part_o[:, :, state_offset : +num_splits]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    tiles, block_m, m_tiles = _tiling(q.device, q.dtype, group, max_group_size)
+    tiles, block_m, m_tiles = _tiling(q.device, q.dtype, group, max_group_size, tiles)
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
@@ -129,7 +132,7 @@ def launch_shared_prefix(
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        DOT_DT=dot_dt, P_DT=p_dt, PREC=prec,
+        DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -161,13 +164,15 @@ def shared_prefix_attention_ref(
     """Float64 (o, lse): every request of group g against the group's document, densely."""
     o = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    k_cpu, v_cpu = k_pool.cpu(), v_pool.cpu()  # once: pools are large on a GPU
+    table = req_to_token.cpu()
     for g in range(doc_req_indices.shape[0]):
         b0, b1 = int(group_req_indptr[g]), int(group_req_indptr[g + 1])
-        row = req_to_token[int(doc_req_indices[g]), : int(doc_lens[g])].long().cpu()
+        row = table[int(doc_req_indices[g]), : int(doc_lens[g])].long().cpu()
         if b1 == b0 or len(row) == 0:
             continue
         mask = torch.ones(b1 - b0, len(row), dtype=torch.bool)
         o[b0:b1], lse[b0:b1] = masked_attention_ref(
-            q[b0:b1].cpu(), k_pool.cpu()[row], v_pool.cpu()[row], mask, sm_scale
+            q[b0:b1].cpu(), k_cpu[row], v_cpu[row], mask, sm_scale
         )
     return o, lse

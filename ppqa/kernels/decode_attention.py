@@ -37,7 +37,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
+    DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -66,7 +66,9 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         c_ok = cols < hi
-        slots = tl.load(Req_to_token + req * stride_r2t + cols, mask=c_ok, other=0).to(tl.int64)
+        slots = tl.load(Req_to_token + req * stride_r2t + cols, mask=c_ok, other=0)
+        if IDX64:
+            slots = slots.to(tl.int64)
         kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
         kv_mask = c_ok[:, None] & d_ok[None, :]
         k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
@@ -93,7 +95,7 @@ def decode_splits(device: torch.device, batch: int, num_heads: int, num_kv_heads
 def launch_decode(
     q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale: float,
     num_splits: int, *, o=None, lse=None, part_o=None, part_lse=None, state_offset: int = 0,
-    seq_len_offset: int = 0,
+    seq_len_offset: int = 0, tiles: _arch.Tiles | None = None,
 ) -> None:
     """One launch: final outputs into o (and lse) when part_o is None, else partial states
     num_splits wide at part_o[:, :, state_offset:]. seq_len_offset is added to seq_lens (the
@@ -101,7 +103,7 @@ def launch_decode(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    tiles = _arch.decode_tiles(q.device, q.dtype, group)
+    tiles = tiles or _arch.decode_tiles(q.device, q.dtype, group)
     partial = part_o is not None
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     dummy = part_o if partial else o
@@ -116,7 +118,7 @@ def launch_decode(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_H=tiles.block_m, BLOCK_N=tiles.block_n,
         WRITE_PARTIAL=partial, WRITE_LSE=lse is not None and not partial,
-        DOT_DT=dot_dt, P_DT=p_dt, PREC=prec,
+        DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -125,7 +127,7 @@ def decode_attention(
     q, o, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale: float,
     lse: torch.Tensor | None = None, max_seq_len: int | None = None,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
-    seq_len_offset: int = 0,
+    seq_len_offset: int = 0, tiles: _arch.Tiles | None = None,
 ) -> int:
     """Writes o [B, Hq, D] (and lse [B, Hq] float32, natural log). Returns the split count.
 
@@ -141,11 +143,12 @@ def decode_attention(
                                    scratch)
     if num_splits == 1:
         launch_decode(q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale,
-                      1, o=o, lse=lse, seq_len_offset=seq_len_offset)
+                      1, o=o, lse=lse, seq_len_offset=seq_len_offset, tiles=tiles)
         return 1
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_decode(q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale,
-                  num_splits, part_o=part_o, part_lse=part_lse, seq_len_offset=seq_len_offset)
+                  num_splits, part_o=part_o, part_lse=part_lse, seq_len_offset=seq_len_offset,
+                  tiles=tiles)
     merge_partials(part_o, part_lse, o, lse)
     return num_splits
 
@@ -156,12 +159,14 @@ def decode_attention_ref(
     """Float64 (o [B, Hq, D], lse [B, Hq]): each request against its row slice."""
     o = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    k_cpu, v_cpu = k_pool.cpu(), v_pool.cpu()  # once: pools are large on a GPU
+    table = req_to_token.cpu()
     for b in range(q.shape[0]):
-        row = req_to_token[int(req_indices[b]), int(kv_start[b]): int(seq_lens[b])].long().cpu()
+        row = table[int(req_indices[b]), int(kv_start[b]): int(seq_lens[b])].long().cpu()
         if len(row) == 0:
             continue
         mask = torch.ones(1, len(row), dtype=torch.bool)
         o[b: b + 1], lse[b: b + 1] = masked_attention_ref(
-            q[b: b + 1].cpu(), k_pool.cpu()[row], v_pool.cpu()[row], mask, sm_scale
+            q[b: b + 1].cpu(), k_cpu[row], v_cpu[row], mask, sm_scale
         )
     return o, lse

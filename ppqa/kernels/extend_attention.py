@@ -43,7 +43,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
+    DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // num_m_tiles
@@ -85,15 +85,18 @@ def _extend_kernel(
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         c_ok = cols < hi
-        slots = tl.load(Req_to_token + req * stride_r2t + cols, mask=c_ok, other=0).to(tl.int64)
+        slots = tl.load(Req_to_token + req * stride_r2t + cols, mask=c_ok, other=0)
+        if IDX64:
+            slots = slots.to(tl.int64)
         k_sid = tl.load(Slot_sid + slots, mask=c_ok, other=-2)
         vis = ((k_sid[None, :] == -1) | (k_sid[None, :] == q_sid[:, None])) & c_ok[None, :]
-        needed = tl.max(vis.to(tl.int32), axis=0) > 0  # keys some row of the tile may see
-        kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
-        kv_mask = needed[:, None] & d_ok[None, :]
-        k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
-        v = tl.load(V_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
-        s = tl.where(vis, tile_scores(q, k, scale_log2, True, PREC), float("-inf"))
+        # K is loaded transposed ([D, N]) so it feeds tl.dot without a layout change.
+        k_t = tl.load(K_pool + slots[None, :] * stride_pool_s + kv_head_off + d[:, None],
+                      mask=c_ok[None, :] & d_ok[:, None], other=0.0).to(DOT_DT)
+        v = tl.load(V_pool + slots[:, None] * stride_pool_s + kv_head_off + d[None, :],
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
+        s = tl.dot(q, k_t, input_precision=PREC) * scale_log2
+        s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
 
     # Stage 2: the request's own new tokens, causal within them (only keys j < last row's tok).
@@ -124,9 +127,10 @@ def _extend_kernel(
     )
 
 
-def _tiling(device, dtype, group: int, max_extend_len: int) -> tuple[_arch.Tiles, int, int]:
+def _tiling(device, dtype, group: int, max_extend_len: int,
+            tiles: _arch.Tiles | None = None) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per request and KV head)."""
-    tiles = _arch.extend_tiles(device, dtype, max_extend_len * group)
+    tiles = tiles or _arch.extend_tiles(device, dtype, max_extend_len * group)
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     return tiles, block_m, triton.cdiv(max(max_extend_len, 1), block_m // group)
 
@@ -145,12 +149,14 @@ def extend_attention(
     qo_indptr, q_sid, slot_sid, max_extend_len: int, sm_scale: float,
     lse: torch.Tensor | None = None, max_prefix_len: int | None = None,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
+    tiles: _arch.Tiles | None = None,
 ) -> int:
     """Writes o [T, Hq, D] (and lse [T, Hq] float32, natural log). Returns the split count used.
 
     q [T, Hq, D]; k_new/v_new [T, Hkv, D]; pools [S, Hkv, D]; req_to_token [R, L] int32;
     req_indices/kv_start/prefix_lens [B] int32; qo_indptr [B+1] int32; q_sid [T] int32;
     slot_sid [S] int32. max_prefix_len (host int, an upper bound) only steers the split count.
+    tiles overrides the per-device choice (benchmark sweeps).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
@@ -159,7 +165,7 @@ def extend_attention(
         return 0
     group = num_heads // num_kv_heads
     device = q.device
-    tiles, block_m, m_tiles = _tiling(device, q.dtype, group, max_extend_len)
+    tiles, block_m, m_tiles = _tiling(device, q.dtype, group, max_extend_len, tiles)
     if num_splits is None:
         bound = max_prefix_len if max_prefix_len is not None else req_to_token.shape[1]
         num_splits = extend_splits(device, q.dtype, batch, num_tokens, num_heads, num_kv_heads,
@@ -182,7 +188,7 @@ def extend_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         WRITE_PARTIAL=write_partial, WRITE_LSE=lse is not None,
-        DOT_DT=dot_dt, P_DT=p_dt, PREC=prec,
+        DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if write_partial:
@@ -197,14 +203,16 @@ def extend_attention_ref(
     """Float64 (o [T, Hq, D], lse [T, Hq]) from a dense mask built request by request."""
     o = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    k_cpu, v_cpu = k_pool.cpu(), v_pool.cpu()  # once: pools are large on a GPU
+    sid_cpu, table = slot_sid.cpu(), req_to_token.cpu()
     for b in range(req_indices.shape[0]):
         t0, t1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if t1 == t0:
             continue
-        row = req_to_token[int(req_indices[b]), int(kv_start[b]): int(prefix_lens[b])].long().cpu()
-        keys_k = torch.cat([k_pool.cpu()[row], k_new[t0:t1].cpu()])
-        keys_v = torch.cat([v_pool.cpu()[row], v_new[t0:t1].cpu()])
-        key_sid = torch.cat([slot_sid.cpu()[row], q_sid[t0:t1].cpu()]).long()
+        row = table[int(req_indices[b]), int(kv_start[b]): int(prefix_lens[b])].long().cpu()
+        keys_k = torch.cat([k_cpu[row], k_new[t0:t1].cpu()])
+        keys_v = torch.cat([v_cpu[row], v_new[t0:t1].cpu()])
+        key_sid = torch.cat([sid_cpu[row], q_sid[t0:t1].cpu()]).long()
         qs = q_sid[t0:t1].cpu().long()
         n_new = t1 - t0
         causal = torch.ones(n_new, len(row) + n_new, dtype=torch.bool)

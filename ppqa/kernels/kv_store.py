@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ppqa.kernels import _arch
+
 
 @triton.jit
 def _store_kernel(
@@ -51,7 +53,7 @@ def store_kv(
     assert k.stride(2) == 1 and v.stride(2) == 1
     # One token per program on a GPU (a row is 1-16 KiB); many under the interpreter, where
     # each program costs milliseconds.
-    tokens = 1 if k.device.type == "cuda" else 64
+    tokens = 1 if _arch.is_gpu(k.device) else 64
     _store_kernel[(triton.cdiv(num_tokens, tokens),)](
         k_pool, v_pool, out_slots, k, v, num_tokens,
         k_pool.stride(0), k_pool.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ppqa.kernels import _arch
 from ppqa.kernels._ref import combine_states_ref
 
 
@@ -67,7 +68,7 @@ def merge_partials(
         return
     assert part_o.stride(3) == 1 and part_lse.stride(2) == 1 and out.stride(2) == 1
     # Under the interpreter each program costs milliseconds: give it many rows.
-    rows = 64 if out.device.type != "cuda" else 2
+    rows = 2 if _arch.is_gpu(out.device) else 64
     num_rows = num_tokens * num_heads
     lse_arg = lse if lse is not None else part_lse
     _merge_kernel[(triton.cdiv(num_rows, rows),)](
