@@ -6,6 +6,7 @@ wall time is split into question prefill and decode as reported by `Engine.run`;
 checked to be identical across modes. Writes benchmarks/results/cpu_smollm2.json and prints a table.
 
     .venv/bin/python benchmarks/cpu_smollm2.py [--modes stock parallel cascade] [--passes 1]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["stock", "parallel", "cascade"])
     parser.add_argument("--passes", type=int, default=1, help="passes; odd ones reverse the order")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 avoids OpenMP spin-waits on a busy machine)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_smollm2.json")
     args = parser.parse_args()
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     engine = Engine(args.model, device="cpu")
     load_s = time.perf_counter() - started
