@@ -199,35 +199,51 @@ class Worker:
                 mode: str, leases: LeaseKeeper) -> None:
         """End every job of the cycle: finished, failed, retried or released (see module doc).
         Each lease stays renewed until its job is ended, so none expires while others settle."""
-        opts = self.options
         for run in runs:
-            run.save_unsaved(self.db, opts.worker_id)
+            run.save_unsaved(self.db, self.options.worker_id)
         to_release = []
         for run in runs:
-            job = run.claim
-            leases.forget([job.job_id])
-            if run.lost:
-                outcome = JobOutcome.of(run, "lost")
-            elif run.complete and run.error is None:
-                report = job_report(run, runs, stats, cycle_start, opts, mode)
-                status = queue.finish_job(self.db, job.job_id, opts.worker_id, report)
-                outcome = JobOutcome.of(run, status, report=report)
-            elif run.error is not None or crash is not None or not self.stopping:
-                error = run.error or crash or (
-                    f"the engine returned without answering {len(run.pending)} question(s)")
-                status = queue.fail_job(self.db, job.job_id, opts.worker_id, error,
-                                        opts.max_attempts, retry=not run.permanent)
-                outcome = JobOutcome.of(run, status, error=error)
-            else:  # a stop cut it short: give it back at once, without counting an attempt
-                to_release.append(run)
+            if not run.lost and not run.complete and run.error is None and crash is None \
+                    and self.stopping:
+                to_release.append(run)  # a stop cut it short: give it back at once
                 continue
-            self.summary.add(outcome)
-            self.progress.settled(outcome)
-        leases.forget([r.claim.job_id for r in to_release])
-        released = set(queue.release_jobs(self.db, opts.worker_id,
-                                          [r.claim.job_id for r in to_release]))
-        for run in to_release:
-            outcome = JobOutcome.of(run, "released" if run.claim.job_id in released else "lost")
+            leases.forget([run.claim.job_id])
+            self._record(run, lambda: self._end(run, runs, stats, cycle_start, crash, mode))
+        ids = [r.claim.job_id for r in to_release]
+        leases.forget(ids)
+        released: set[int] = set()
+        self._record(None, lambda: released.update(
+            queue.release_jobs(self.db, self.options.worker_id, ids)))
+        for run in to_release:  # a release is not an attempt; one not ours any more was "lost"
+            self._record(run, lambda: JobOutcome.of(
+                run, "released" if run.claim.job_id in released else "lost"))
+
+    def _end(self, run: JobRun, runs: list[JobRun], stats, cycle_start: float,
+             crash: str | None, mode: str) -> JobOutcome:
+        opts, job_id = self.options, run.claim.job_id
+        if run.lost:
+            return JobOutcome.of(run, "lost")
+        if run.complete and run.error is None:
+            report = job_report(run, runs, stats, cycle_start, opts, mode)
+            status = queue.finish_job(self.db, job_id, opts.worker_id, report)
+            return JobOutcome.of(run, status, report=report)
+        error = run.error or crash or (
+            f"the engine returned without answering {len(run.pending)} question(s)")
+        status = queue.fail_job(self.db, job_id, opts.worker_id, error, opts.max_attempts,
+                                retry=not run.permanent)
+        return JobOutcome.of(run, status, error=error)
+
+    def _record(self, run: JobRun | None, end) -> None:
+        """Run one settling step; a database that fails now must not lose the other jobs'
+        outcomes: the job keeps its lease until it expires, and the next claim closes it."""
+        try:
+            outcome = end()
+        except (SQLAlchemyError, StoreError) as exc:
+            what = f"job {run.claim.job_id}" if run else "releasing jobs"
+            self.progress.message(f"{what}: could not update the store ({exc}); its lease "
+                                  "will expire and another worker will take it over")
+            return
+        if isinstance(outcome, JobOutcome):
             self.summary.add(outcome)
             self.progress.settled(outcome)
 

@@ -168,7 +168,8 @@ class RichProgress(_Base):
 
     def claimed(self, claims) -> None:
         self.counters.claim(claims, self._waiting_questions())
-        self.bars.update(self.overall, total=self.counters.total, completed=self.counters.done)
+        self.bars.update(self.overall, total=self.counters.total, completed=self.counters.done,
+                         description="all questions")
         for c in claims:
             task = self.doc_tasks.get(c.document_id)
             if task is None:
