@@ -192,3 +192,26 @@ def test_sigint_saves_answers_and_releases_unfinished_jobs(tmp_path):
 
     finish(start_worker(url, tmp_path, "b"), tmp_path, "b")
     all_answered_once(url, jobs)
+
+
+
+
+def test_a_job_whose_worker_died_max_attempts_times_is_failed(tmp_path):
+    url = str(tmp_path / "jobs.db")
+    queue_jobs(url, documents=1, jobs_per_document=1, questions_per_job=2, max_new_tokens=(32,))
+    first = start_worker(url, tmp_path, "a", "--lease-seconds", "1", "--max-attempts", "1")
+    deadline = time.monotonic() + WAIT_S
+    while counts(url)["status"] != {"running": 1}:  # claimed: the model is answering it
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=WAIT_S)
+    time.sleep(1.5)  # past the dead worker's 1 s lease
+    summary = finish(start_worker(url, tmp_path, "b", "--max-attempts", "1"), tmp_path, "b")
+    db = open_db(url)
+    with db.read() as conn:
+        status, attempts, error = conn.execute(select(Job.status, Job.attempts, Job.error)).one()
+    db.close()
+    assert (status, attempts) == ("failed", 1)
+    assert "lease expired after 1 attempts" in error
+    assert summary["jobs"] == []  # the second worker found nothing left to run
