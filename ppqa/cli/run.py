@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from ppqa.cli.common import JsonOption, fail, open_store, print_json, say
+from ppqa.cli.common import fail, open_store, print_json, say
 
 app = typer.Typer()
 
@@ -71,7 +71,9 @@ def run(
     max_attempts: Annotated[int, typer.Option(
         min=1, help="A job that fails (or whose worker dies) this many times is marked failed "
                     "with its last error, e.g. --max-attempts 5.")] = 3,
-    json_out: JsonOption = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="At the end, print a JSON summary of every job this worker ran on "
+                       "stdout (progress stays on stderr).")] = False,
 ) -> None:
     from ppqa.worker import Worker, WorkerError, WorkerOptions
     from ppqa.worker_report import waiting_questions
