@@ -123,10 +123,16 @@ class Worker:
         """Jobs of one document, then more documents while the cycle has room."""
         opts, claims, questions = self.options, [], 0
         while not self.stopping and len(claims) < opts.max_jobs and questions < opts.max_questions:
-            got = queue.claim_jobs(
-                self.db, opts.worker_id, opts.lease_seconds, max_jobs=opts.max_jobs - len(claims),
-                max_questions=opts.max_questions - questions, max_attempts=opts.max_attempts,
-                model=opts.model)
+            try:
+                got = queue.claim_jobs(
+                    self.db, opts.worker_id, opts.lease_seconds,
+                    max_jobs=opts.max_jobs - len(claims),
+                    max_questions=opts.max_questions - questions,
+                    max_attempts=opts.max_attempts, model=opts.model)
+            except (SQLAlchemyError, StoreError):
+                if not claims:
+                    raise
+                break  # work on what is already claimed rather than strand it
             if not got:
                 break
             claims += got
