@@ -32,7 +32,7 @@ from ppqa.worker_setup import default_worker_id
 
 MODES = ("auto", "parallel", "stock", "cascade")
 # An engine that raises on this many cycles in a row is broken, not unlucky: stop the worker
-# rather than burn through the queue failing every job.
+# rather than burn through the queue failing every job. Each failure halves the next batch first.
 MAX_ENGINE_CRASHES = 3
 
 
@@ -75,6 +75,9 @@ class Worker:
         self.stop_reason: str | None = None
         self.summary = WorkerSummary(worker_id=options.worker_id, model=options.model,
                                      device=options.device)
+        # Batch limits of the next cycle: halved after an engine failure (e.g. out of memory),
+        # grown back to the options' after each cycle that goes well.
+        self.max_jobs, self.max_questions = options.max_jobs, options.max_questions
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop admitting work; safe from a signal handler or another thread."""
@@ -110,6 +113,7 @@ class Worker:
                     continue
                 crashed = self._run_cycle(claims)
                 crashes = crashes + 1 if crashed else 0
+                self._resize(smaller=crashed)
                 if crashes >= MAX_ENGINE_CRASHES:
                     raise WorkerError(f"the engine failed {crashes} times in a row; "
                                       f"last error: {self.summary.last_error}")
@@ -119,15 +123,24 @@ class Worker:
             self.progress.finished(self.summary)
         return self.summary
 
+    def _resize(self, smaller: bool) -> None:
+        opts = self.options
+        if smaller:
+            self.max_jobs = max(1, self.max_jobs // 2)
+            self.max_questions = max(1, self.max_questions // 2)
+        else:
+            self.max_jobs = min(opts.max_jobs, self.max_jobs * 2)
+            self.max_questions = min(opts.max_questions, self.max_questions * 2)
+
     def _claim(self) -> list[ClaimedJob]:
         """Jobs of one document, then more documents while the cycle has room."""
         opts, claims, questions = self.options, [], 0
-        while not self.stopping and len(claims) < opts.max_jobs and questions < opts.max_questions:
+        while not self.stopping and len(claims) < self.max_jobs and questions < self.max_questions:
             try:
                 got = queue.claim_jobs(
                     self.db, opts.worker_id, opts.lease_seconds,
-                    max_jobs=opts.max_jobs - len(claims),
-                    max_questions=opts.max_questions - questions,
+                    max_jobs=self.max_jobs - len(claims),
+                    max_questions=self.max_questions - questions,
                     max_attempts=opts.max_attempts, model=opts.model)
             except (SQLAlchemyError, StoreError):
                 if not claims:

@@ -3,7 +3,8 @@
 What is checked: the answers stored are the engine's own answers for each job's parameters; each
 finished job gets one report row whose figures add up; a job the model cannot hold fails alone
 with the reason and is not retried; a stop releases unfinished jobs without losing a saved
-answer; a job cancelled while it runs stays cancelled. Process-level behaviour (kill -9, several
+answer; a job cancelled while it runs stays cancelled; after an engine failure (out of memory)
+the worker retries with smaller batches. Process-level behaviour (kill -9, several
 workers, signals) is in test_run_reliability.py.
 """
 
@@ -158,3 +159,29 @@ def test_run_once_json_summary(sqlite_path, sqlite_db, add_job):
     assert (summary["jobs_done"], summary["questions_answered"]) == (1, 2)
     assert summary["jobs"][0]["job_id"] == job and summary["jobs"][0]["report"]["questions"] == 2
     assert f"job {job} done" in result.stderr  # log lines, since stderr is not a terminal
+
+
+def test_after_an_engine_failure_the_next_batches_are_smaller(sqlite_db, add_job):
+    from ppqa.engine.engine import Engine
+
+    class SmallDeviceEngine(Engine):
+        """The real engine on a device that runs out of memory above two requests (a GPU
+        condition that cannot be produced on this CPU)."""
+
+        def run(self, requests, **kwargs):
+            self.sizes.append(len(requests))
+            if len(requests) > 2:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return super().run(requests, **kwargs)
+
+    for i in range(4):
+        add_job(sqlite_db, DOC, [f"Q{i}a?", f"Q{i}b?"], max_new_tokens=3, seed=i)
+    engine = SmallDeviceEngine(MODEL, device="cpu")
+    engine.sizes = []
+    summary = _worker(sqlite_db, engine, max_jobs=4, max_attempts=10).run()
+
+    assert engine.sizes[:3] == [8, 4, 2]  # halved after each failure until a batch fits
+    assert {s[0] for s in _jobs(sqlite_db).values()} == {"done"}
+    with sqlite_db.read() as conn:
+        assert conn.execute(select(func.count(Answer.id))).scalar_one() == 8
+    assert summary.count("done") == 4 and summary.count("queued") > 0  # retried, not lost
