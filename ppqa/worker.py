@@ -169,11 +169,9 @@ class Worker:
             run = runs[req.key[0]]
             tokens = len(answer.token_ids)
             try:
-                queue.record_answer(
-                    self.db, req.key[1], answer.text, tokens, answer.finish_reason or "stop",
-                    total_seconds=getattr(answer, "latency_s", None)
-                    or time.perf_counter() - cycle_start,
-                    worker_id=self.options.worker_id)
+                queue.record_answer(self.db, req.key[1], answer.text, tokens,
+                                    answer.finish_reason, total_seconds=answer.latency_s,
+                                    worker_id=self.options.worker_id)
             except Exception as exc:  # noqa: BLE001 - kept to retry at settle time
                 run.unsaved.append((req.key[1], answer, exc))
                 self.progress.message(f"job {run.claim.job_id}: answer not saved yet ({exc})")

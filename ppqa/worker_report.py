@@ -52,8 +52,8 @@ class JobRun:
         for question_id, answer, _ in self.unsaved:
             tokens = len(answer.token_ids)
             try:
-                queue.record_answer(db, question_id, answer.text, tokens,
-                                    answer.finish_reason or "stop", worker_id=worker_id)
+                queue.record_answer(db, question_id, answer.text, tokens, answer.finish_reason,
+                                    total_seconds=answer.latency_s, worker_id=worker_id)
             except Exception as exc:  # noqa: BLE001 - the job is then released, not finished
                 still.append((question_id, answer, exc))
                 continue
