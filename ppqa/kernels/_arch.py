@@ -70,36 +70,45 @@ def dot_precision(dtype: torch.dtype) -> str:
 def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
     """Tiles for the extend kernel; `rows` = query rows one request needs (tokens x group).
 
-    On sm_90 (bf16/fp16) the two-stage kernel spills registers past 16x64 or 64x32 tiles with
-    8 warps (benchmarks/compile_check.py; NOTES.md has the table), so query tiles stop at 64.
-    fp32 (exact "ieee" dots, for tests) uses the smallest tiles that compile without spills.
+    sm_90, bf16/fp16 (NOTES.md, run 2): decode steps are fastest with 16-32 query rows x 64
+    keys and 8 warps (P=32 at 16k/256: 0.97 ms vs 2.38 ms with 64 x 32, on both models); the
+    two-stage kernel spills past that (compile_check.py). Prefills (many rows, compute-bound)
+    take 64 x 64 (a few spilled bytes; unmeasured). fp32 (exact "ieee" dots, tests only) uses
+    the smallest tiles that compile without spills.
     """
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
     if not is_gpu(device):
         return Tiles(min(want_m, 128), 128, 4, 1)
     if dtype == torch.float32:
         return Tiles(16, 32, 4, 2)
-    block_m = min(want_m, 64)
-    return Tiles(block_m, 64 if block_m <= 32 else 32, 8, 2)
+    if rows > 512:
+        return Tiles(64, 64, 8, 2)
+    return Tiles(min(want_m, 32), 64, 8, 2)
 
 
 def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
-    """Tiles for the paged decode kernel: block_m holds one KV head's query heads."""
-    block_m = 1 if group == 1 else max(16, triton.next_power_of_2(group))
+    """Tiles for the paged decode kernel: block_m holds one KV head's query heads.
+
+    On a GPU even MHA (one query row) takes the tl.dot path with 16 rows: the multiply-and-sum
+    version reduced across warps every key tile and ran at 3.9 TB/s of requested bytes with no
+    L2 reuse (17.9 ms at 16k/256, run 2). The interpreter keeps the one-row path tested too.
+    """
     if not is_gpu(device):
-        return Tiles(block_m, 128, 4, 1)
+        return Tiles(1 if group == 1 else max(16, triton.next_power_of_2(group)), 128, 4, 1)
+    block_m = max(16, triton.next_power_of_2(group))
     block_n = 32 if dtype == torch.float32 else 64
     return Tiles(block_m, block_n, 4, 2)
 
 
 def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
-    """Tiles for the shared-prefix (cascade) kernel, one loop: 128 x 64 with 8 warps fits."""
+    """Tiles for the shared-prefix (cascade) kernel: 64 x 64 with 4 warps measured best
+    (run 2 at 16k/256: 0.278 ms vs 0.352 ms with 128 x 64 and 8 warps)."""
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
     if not is_gpu(device):
         return Tiles(min(want_m, 128), 128, 4, 1)
     if dtype == torch.float32:
         return Tiles(16, 32, 4, 2)
-    return Tiles(min(want_m, 128), 64, 8, 2)
+    return Tiles(min(want_m, 64), 64, 4, 2)
 
 
 def choose_splits(

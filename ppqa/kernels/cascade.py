@@ -162,17 +162,18 @@ def shared_prefix_attention_ref(
     q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens, sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 (o, lse): every request of group g against the group's document, densely."""
-    o = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-    k_cpu, v_cpu = k_pool.cpu(), v_pool.cpu()  # once: pools are large on a GPU
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
+    # float64 on the inputs' device (a GPU does the reference in seconds); indices from the CPU
+    dev = q.device
     table = req_to_token.cpu()
     for g in range(doc_req_indices.shape[0]):
         b0, b1 = int(group_req_indptr[g]), int(group_req_indptr[g + 1])
-        row = table[int(doc_req_indices[g]), : int(doc_lens[g])].long().cpu()
+        row = table[int(doc_req_indices[g]), : int(doc_lens[g])].long().to(dev)
         if b1 == b0 or len(row) == 0:
             continue
-        mask = torch.ones(b1 - b0, len(row), dtype=torch.bool)
+        mask = torch.ones(b1 - b0, len(row), dtype=torch.bool, device=dev)
         o[b0:b1], lse[b0:b1] = masked_attention_ref(
-            q[b0:b1].cpu(), k_cpu[row], v_cpu[row], mask, sm_scale
+            q[b0:b1], k_pool[row], v_pool[row], mask, sm_scale
         )
-    return o, lse
+    return o.cpu(), lse.cpu()

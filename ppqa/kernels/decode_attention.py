@@ -157,16 +157,18 @@ def decode_attention_ref(
     q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 (o [B, Hq, D], lse [B, Hq]): each request against its row slice."""
-    o = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-    k_cpu, v_cpu = k_pool.cpu(), v_pool.cpu()  # once: pools are large on a GPU
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
+    # float64 on the inputs' device (a GPU does the reference in seconds); indices from the CPU
+    dev = q.device
     table = req_to_token.cpu()
+    rows, starts, ends = req_indices.tolist(), kv_start.tolist(), seq_lens.tolist()
     for b in range(q.shape[0]):
-        row = table[int(req_indices[b]), int(kv_start[b]): int(seq_lens[b])].long().cpu()
+        row = table[rows[b], starts[b]: ends[b]].long().to(dev)
         if len(row) == 0:
             continue
-        mask = torch.ones(1, len(row), dtype=torch.bool)
+        mask = torch.ones(1, len(row), dtype=torch.bool, device=dev)
         o[b: b + 1], lse[b: b + 1] = masked_attention_ref(
-            q[b: b + 1].cpu(), k_cpu[row], v_cpu[row], mask, sm_scale
+            q[b: b + 1], k_pool[row], v_pool[row], mask, sm_scale
         )
-    return o, lse
+    return o.cpu(), lse.cpu()

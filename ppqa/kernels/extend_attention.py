@@ -201,24 +201,26 @@ def extend_attention_ref(
     qo_indptr, q_sid, slot_sid, sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 (o [T, Hq, D], lse [T, Hq]) from a dense mask built request by request."""
-    o = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
-    k_cpu, v_cpu = k_pool.cpu(), v_pool.cpu()  # once: pools are large on a GPU
-    sid_cpu, table = slot_sid.cpu(), req_to_token.cpu()
-    for b in range(req_indices.shape[0]):
-        t0, t1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
+    # float64 on the inputs' device (a GPU does the reference in seconds); indices from the CPU
+    dev = q.device
+    table, indptr = req_to_token.cpu(), qo_indptr.tolist()
+    rows, starts, ends = req_indices.tolist(), kv_start.tolist(), prefix_lens.tolist()
+    for b in range(len(rows)):
+        t0, t1 = indptr[b], indptr[b + 1]
         if t1 == t0:
             continue
-        row = table[int(req_indices[b]), int(kv_start[b]): int(prefix_lens[b])].long().cpu()
-        keys_k = torch.cat([k_cpu[row], k_new[t0:t1].cpu()])
-        keys_v = torch.cat([v_cpu[row], v_new[t0:t1].cpu()])
-        key_sid = torch.cat([sid_cpu[row], q_sid[t0:t1].cpu()]).long()
-        qs = q_sid[t0:t1].cpu().long()
+        row = table[rows[b], starts[b]: ends[b]].long().to(dev)
+        keys_k = torch.cat([k_pool[row], k_new[t0:t1]])
+        keys_v = torch.cat([v_pool[row], v_new[t0:t1]])
+        key_sid = torch.cat([slot_sid[row], q_sid[t0:t1]]).long()
+        qs = q_sid[t0:t1].long()
         n_new = t1 - t0
-        causal = torch.ones(n_new, len(row) + n_new, dtype=torch.bool)
-        causal[:, len(row):] = torch.tril(torch.ones(n_new, n_new, dtype=torch.bool))
+        causal = torch.ones(n_new, len(row) + n_new, dtype=torch.bool, device=dev)
+        causal[:, len(row):] = torch.tril(torch.ones(n_new, n_new, dtype=torch.bool, device=dev))
         stream_ok = (key_sid[None, :] == -1) | (key_sid[None, :] == qs[:, None])
         o[t0:t1], lse[t0:t1] = masked_attention_ref(
-            q[t0:t1].cpu(), keys_k, keys_v, causal & stream_ok, sm_scale
+            q[t0:t1], keys_k, keys_v, causal & stream_ok, sm_scale
         )
-    return o, lse
+    return o.cpu(), lse.cpu()
