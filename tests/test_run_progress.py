@@ -36,8 +36,11 @@ def test_counts_follow_claims_answers_and_settled_jobs():
     sink.claimed([a, b])
     c = sink.counters
     assert (c.done, c.total, len(c.in_flight)) == (0, 4 + 3 + 10, 2)
-    for _ in range(4):
+    sink.answered(a, 5)
+    assert c.remaining is None  # one answer gives no pace yet (its wait was the prefill)
+    for _ in range(3):
         sink.answered(a, 5)
+    assert c.remaining >= 0
     sink.answered(b, 5)
     sink.settled(_outcome(a, "done", 4))
     # The failed job's two unanswered questions are no longer this worker's to do.

@@ -29,6 +29,7 @@ class Counters:
         self.total = 0
         self.tokens = 0
         self.started: float | None = None
+        self.first_answer_at: float | None = None
         self.in_flight: dict[int, list] = {}  # document id -> [name, done, total, open jobs]
         self.claimed: dict[int, int] = {}  # job id -> questions claimed
         self.lock = threading.Lock()
@@ -50,6 +51,8 @@ class Counters:
 
     def answer(self, claim, tokens: int) -> None:
         with self.lock:
+            if self.first_answer_at is None:
+                self.first_answer_at = time.monotonic()
             self.done += 1
             self.tokens += tokens
             self.in_flight[claim.document_id][1] += 1
@@ -78,9 +81,12 @@ class Counters:
 
     @property
     def remaining(self) -> float | None:
-        if not self.done or self.elapsed <= 0:
+        """At the pace since the first answer: the wait for it is mostly the document's
+        prefill, paid once, which would make an estimate from the start far too long."""
+        if self.done < 2 or self.first_answer_at is None:
             return None
-        return max(self.total - self.done, 0) * self.elapsed / self.done
+        pace = (time.monotonic() - self.first_answer_at) / (self.done - 1)
+        return max(self.total - self.done, 0) * pace
 
 
 def _hms(seconds: float | None) -> str:
