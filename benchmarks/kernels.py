@@ -40,6 +40,7 @@ Q_TOKENS, ANSWERED = 16, 128
 DTYPE = torch.bfloat16
 # --smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 to check this script's plumbing.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GRAPHS = False  # --graphs
 
 
 def bench(fn) -> float:
@@ -127,9 +128,17 @@ class Grid:
         return self.backend(sid), meta
 
     def run(self, backend, meta) -> tuple[float, torch.Tensor]:
-        """(median ms, the output): every mode attends each question to the same keys."""
-        out = backend.forward(0, self.q, self.k_new, self.v_new, meta).float()
-        return bench(lambda: backend.forward(0, self.q, self.k_new, self.v_new, meta)), out
+        """(median ms, the output): every mode attends each question to the same keys.
+        With GRAPHS the step is captured once and its replays are timed, as the engine's decode
+        steps will run (issue 6); eagerly, Python launch gaps count in short steps."""
+        step = lambda: backend.forward(0, self.q, self.k_new, self.v_new, meta)  # noqa: E731
+        out = step().float()
+        if not GRAPHS:
+            return bench(step), out
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return bench(graph.replay), out
 
     def sdpa(self, shared: bool) -> float:
         """Shared: all Q queries against the document once. Per question: each query against
@@ -258,13 +267,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16k/256 cells only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    parser.add_argument("--graphs", action="store_true",
+                        help="time CUDA graph replays of each mode's step (not yet run)")
     args = parser.parse_args()
+    global GRAPHS
+    GRAPHS = args.graphs and DEV == "cuda"
     if args.smoke:
         MODELS.update({"codellama-7b": (4, 4, 16), "qwen2.5-7b": (6, 2, 16)})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "commit": commit or "unknown",
-              "command": "python benchmarks/kernels.py" + (" --quick" if args.quick else ""),
+              "command": " ".join(["python benchmarks/kernels.py", *sys.argv[1:]]),
+              "graphs": GRAPHS,
               "torch": torch.__version__, "triton": triton.__version__,
               "calibration": calibrate(), "rows": []}
     gen = torch.Generator().manual_seed(0)

@@ -101,14 +101,15 @@ def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
 
 
 def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
-    """Tiles for the shared-prefix (cascade) kernel: 64 x 64 with 4 warps measured best
-    (run 2 at 16k/256: 0.278 ms vs 0.352 ms with 128 x 64 and 8 warps)."""
+    """Tiles for the shared-prefix (cascade) kernel. Sweeps at 16k/256 (NOTES.md): 64 x 64 x 4
+    warps beat 128 x 64 x 8 (0.28 vs 0.35 ms, run 2), and 64 x 32 x 4 beat 64 x 64 x 4 (0.246 vs
+    0.312 ms CodeLlama, 0.230 vs 0.302 Qwen, run 3); the full grid was measured with 64 x 64."""
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
     if not is_gpu(device):
         return Tiles(min(want_m, 128), 128, 4, 1)
     if dtype == torch.float32:
         return Tiles(16, 32, 4, 2)
-    return Tiles(min(want_m, 64), 64, 4, 2)
+    return Tiles(min(want_m, 64), 32, 4, 2)
 
 
 def choose_splits(
