@@ -119,7 +119,7 @@ def time_cell(engine, cell: Cell, modes: list[str], passes: int = 2,
                 stats = engine.run(
                     [QuestionRequest(key=i, document=document, question=q, sampling=sampling)
                      for i, q in enumerate(questions)],
-                    mode=mode, streams=cell.streams,
+                    mode=mode, streams=None if mode == "auto" else cell.streams,
                     on_answer=lambda req, ans: answers.__setitem__(req.key, ans))
                 if cuda:
                     torch.cuda.synchronize()

@@ -74,7 +74,8 @@ class EngineConfig:
     mem_fraction: float = 0.85  # GPU: fraction of the free memory (after weights) for the KV pool
     max_batch_requests: int = 256  # requests decoded together (rows of the req_to_token table)
     default_streams: int = 32  # P when a parallel run is given streams=None
-    cuda_graphs: bool = False  # fixed-shape decode steps (B padded to a power of two) for graphs
+    # Decode steps captured as CUDA graphs, B padded to a power of two (None: on CUDA only).
+    cuda_graphs: bool | None = None
     seed: int = 0  # dummy weights, and the seeds of sampled questions that give none
     max_prefill_tokens: int = 8192  # tokens in one prefill forward (document chunks, question batches)
     max_row_tokens: int | None = None  # req_to_token row length; None: min(pool, 4 x context)

@@ -117,7 +117,7 @@ def test_answer_argument_errors() -> None:
         eng.answer("doc", "a question")
     with pytest.raises(ValueError, match="unknown mode 'fast'.*stock, parallel, cascade, auto"):
         eng.answer("doc", ["q?"], mode="fast")
-    with pytest.raises(ValueError, match="streams must be None or an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="streams must be None, 'auto' or an integer >= 1, got 0"):
         eng.answer("doc", ["q?"], mode="parallel", streams=0)
     with pytest.raises(ValueError, match="2 SamplingParams for 1 questions"):
         eng.answer("doc", ["q?"], sampling=[SamplingParams(), SamplingParams()])
@@ -186,12 +186,22 @@ def test_should_stop_drops_in_flight_work_and_frees_the_pool(tmp_path: Path) -> 
 
 
 def test_auto_mode_choice(tmp_path: Path) -> None:
+    """One question: stock. Several: whatever the cost model predicts (engine/cost_model.py)."""
+    from ppqa.engine import cost_model
+
     eng = tiny_engine()
     sp = SamplingParams(max_new_tokens=2)
     one = eng.run([QuestionRequest(0, "doc", "q", sp)], mode="auto")
-    many = eng.run([QuestionRequest(i, "doc", f"q{i}", sp) for i in range(5)], mode="auto")
+    many = eng.run([QuestionRequest(i, "doc " * 50, f"q{i}", sp) for i in range(5)], mode="auto")
     assert (one.mode, one.streams) == ("stock", 1)
-    assert (many.mode, many.streams) == ("parallel", 5)  # P = 32 capped at the question count
+    prompt = eng.tokenizer.prompt("qa", "doc " * 50, [f"q{i}" for i in range(5)])
+    work = cost_model.Workload(len(prompt.prefix_ids), 5,
+                               round(sum(map(len, prompt.suffix_ids)) / 5), 2)
+    mode, p, _ = cost_model.choose(eng.model_config, work, cost_model.DeviceRates.for_device("cpu"),
+                                   ("stock", "cascade", "parallel"), 4)
+    assert (many.mode, many.streams) == (mode, p)
+    assert eng.run([QuestionRequest(i, "doc", f"q{i}", sp) for i in range(5)], mode="parallel",
+                   streams="auto").mode == "parallel"
 
 
 def test_pack_streams_balances_requests_and_respects_the_pool() -> None:

@@ -50,6 +50,8 @@ def bench(
     kv_tokens: Annotated[int | None, typer.Option(
         help="KV pool size in tokens (default: the engine's: a fraction of free GPU memory).",
         show_default=False)] = None,
+    cuda_graphs: Annotated[bool, typer.Option(
+        help="Replay decode steps from CUDA graphs (GPU, Triton backend).")] = True,
     out: Annotated[Path, typer.Option(help="Results JSON (rewritten after every cell).")]
     = Path("bench.json"),
     plot: Annotated[Path | None, typer.Option(help="Also write a PNG plot of speedups here.",
@@ -85,7 +87,7 @@ def bench(
     from ppqa import Engine, EngineConfig, SamplingParams
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config_kwargs = {"device": dev}
+    config_kwargs = {"device": dev, "cuda_graphs": cuda_graphs and dev.startswith("cuda")}
     if kv_tokens is not None:
         config_kwargs["kv_token_budget"] = kv_tokens
     try:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ppqa.config import EngineConfig, SamplingParams
+from ppqa.engine import cost_model
 from ppqa.engine.engine_setup import EngineParts, build_parts
 from ppqa.engine.kv_cache import document_key
 from ppqa.engine.outputs import MODES, Answer, PromptTooLongError, QuestionRequest, RunStats
@@ -27,13 +28,36 @@ from ppqa.engine.sampling import sample
 from ppqa.engine.scheduler import Scheduler, pack_streams
 
 
-def choose_mode(mode: str, questions_per_document: Sequence[int]) -> str:
-    """The mode a run uses; "auto": parallel when some document has >= 2 questions, else stock."""
+def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-    if mode != "auto":
-        return mode
-    return "parallel" if max(questions_per_document, default=0) >= 2 else "stock"
+
+
+def choose_plan(mode: str, streams: int | str | None, jobs: Sequence[tuple[list[int], list[Stream]]],
+                model_config, device_kind: str, dtype_bytes: int, default_streams: int
+                ) -> tuple[str, int]:
+    """(mode, P) for a run. "auto" mode and streams="auto" ask the cost model
+    (engine/cost_model.py) about the run's largest document group; parallel with streams=None
+    uses the default P. P is capped at the largest group's question count."""
+    check_mode(mode)
+    if not jobs:
+        return ("stock" if mode == "auto" else mode), 1
+    doc_ids, group = max(jobs, key=lambda job: len(job[1]))
+    workload = cost_model.Workload(
+        doc_tokens=len(doc_ids), questions=len(group),
+        question_tokens=round(sum(len(s.suffix_ids) for s in group) / len(group)),
+        max_new_tokens=round(sum(s.sampling.max_new_tokens for s in group) / len(group)))
+    rates = cost_model.DeviceRates.for_device(device_kind)
+    if mode == "auto":
+        mode, p, _ = cost_model.choose(model_config, workload, rates,
+                                       ("stock", "cascade", "parallel"), dtype_bytes)
+        if streams == "auto" or streams is None:
+            return mode, p
+    if mode != "parallel":
+        return mode, 1
+    if streams == "auto":
+        streams = cost_model.best_streams(model_config, workload, rates, dtype_bytes)
+    return mode, min(streams or default_streams, len(group))
 
 
 class Engine:
@@ -113,17 +137,16 @@ class Engine:
         `should_stop()` turns true, no new work starts and unfinished questions are dropped.
         """
         started = time.perf_counter()
-        choose_mode(mode, [])  # reject an unknown mode before any work
-        if streams is not None and (not isinstance(streams, int) or streams < 1):
-            raise ValueError(f"streams must be None or an integer >= 1, got {streams!r}")
+        check_mode(mode)  # reject an unknown mode before any work
+        if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
+            raise ValueError(f"streams must be None, 'auto' or an integer >= 1, got {streams!r}")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         stats = RunStats()
         jobs = self._prepare(requests, on_error, stats)
-        counts = [len(job_streams) for _, job_streams in jobs]
-        stats.mode = choose_mode(mode, counts)
-        if stats.mode == "parallel":
-            stats.streams = min(streams or self.config.default_streams, max(counts, default=1))
+        stats.mode, stats.streams = choose_plan(
+            mode, streams, jobs, self.model_config, self.device.type, self.dtype.itemsize,
+            self.config.default_streams)
         parts = self._parts
         sched = Scheduler(parts.pool, parts.table, parts.docs,
                           max_prefill_tokens=self.config.max_prefill_tokens,

@@ -105,10 +105,14 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
     row_len = config.max_row_tokens or 4 * mc.max_position_embeddings
     table = ReqToTokenTable(config.max_batch_requests, min(num_slots, row_len), dev)
     backend_name, backend = _make_backend(config.attention_backend, dev, pool, model)
+    # Graphs need a backend that never syncs with the host inside a step: the Triton one.
+    graphs = (dev.type == "cuda" and backend_name == "triton" if config.cuda_graphs is None
+              else config.cuda_graphs)
     config = dataclasses.replace(config, device=str(dev), dtype=dtype_name,
-                                 attention_backend=backend_name)
+                                 attention_backend=backend_name, cuda_graphs=graphs)
     return EngineParts(model_name=model_name, config=config, device=dev, dtype=torch_dtype,
                        model=model, tokenizer=loaded.tokenizer,
                        source=getattr(loaded, "source", model_name), pool=pool, table=table,
                        docs=DocumentCache(pool.allocator), backend=backend,
-                       runner=ModelRunner(model, pool, table, backend, dev))
+                       runner=ModelRunner(model, pool, table, backend, dev,
+                                          cuda_graphs=graphs and dev.type == "cuda"))

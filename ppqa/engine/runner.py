@@ -38,6 +38,7 @@ class StepInputs:
     prefix_lens: torch.Tensor  # [B] int64
     logit_indices: torch.Tensor  # [R] int64
     cascade_groups: list[tuple[int, int, int]] | None = None  # (first request, end, doc_len)
+    decode: bool = False  # a decode step (fixed shape per batch): replayed as a CUDA graph
 
     def __post_init__(self) -> None:
         tokens, batch = self.input_ids.shape[0], self.req_rows.shape[0]
@@ -58,9 +59,14 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, table: ReqToTokenTable, backend,
-                 device: torch.device) -> None:
+                 device: torch.device, cuda_graphs: bool = False) -> None:
         self.model, self.pool, self.table, self.backend = model, pool, table, backend
         self.device = device
+        self.graphs = None
+        if cuda_graphs:
+            from ppqa.engine.graph_runner import GraphCache
+
+            self.graphs = GraphCache(model, backend, device)
 
     def prepare(self, step: StepInputs) -> tuple[torch.Tensor, ForwardMetadata]:
         """(input_ids on the device, ForwardMetadata); also stamps slot_sid for the new slots."""
@@ -113,6 +119,8 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor | None:
         """Forward one step; float32 logits [R, vocab] for the step's logit rows (None if R = 0)."""
         input_ids, meta = self.prepare(step)
+        if self.graphs is not None and step.decode:
+            return self.graphs.run(input_ids, meta)
         hidden = self.model(input_ids, meta.positions, meta, self.backend)
         if meta.logit_indices.shape[0] == 0:
             return None

@@ -208,7 +208,7 @@ class Scheduler:
                                                                  + dummy)),
             layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
             req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
-            logit_indices=torch.arange(tokens), cascade_groups=groups)
+            logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True)
 
     @staticmethod
     def sampling_batch(requests: Sequence[Request], prefill: bool, pad_rows: int = 0) -> SamplingBatch:

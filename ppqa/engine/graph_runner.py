@@ -1,0 +1,109 @@
+"""CUDA graphs for decode steps: capture once per step shape, then copy inputs in and replay.
+
+A decode step's shapes depend only on the padded batch (B requests of P new tokens each) and
+on host-side launch choices of the attention backend, which the backend derives from
+`max_prefix_len` (split counts). The graph key is therefore (kind, B, T, P, length bucket,
+cascade groups): the length bucket is an upper bound on every row's length, rounded up to a
+quarter of a power of two so that a long run captures a handful of graphs, not one per step.
+The kernels read real lengths from tensors, so a bound only steers how the work is split.
+
+Replay: the step's device tensors (from `ModelRunner.prepare`) are copied into the graph's
+static tensors, the graph replays the model's forward and logits, and the static logits come
+back. Every graph shares one memory pool; capture happens on a side stream after one eager
+warm-up run (Triton compiles and the backend plans outside the capture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ppqa.engine.attention import CascadeMetadata, ForwardMetadata
+
+
+def length_bucket(n: int) -> int:
+    """The smallest of 2^k x (1, 1.25, 1.5, 1.75) that is >= n (at least 256)."""
+    n = max(n, 256)
+    top = 1 << (n - 1).bit_length()
+    for step in (top // 2 + top // 8, top // 2 + top // 4, top // 2 + 3 * top // 8):
+        if n <= step:
+            return step
+    return top
+
+
+@dataclass
+class CapturedStep:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    meta: ForwardMetadata  # static tensors; host maxima set to the bucket's bounds
+    logits: torch.Tensor
+
+
+_TENSOR_FIELDS = ("positions", "out_slots", "q_sid", "qo_indptr", "req_indices", "kv_start",
+                  "prefix_lens", "logit_indices")
+_CASCADE_FIELDS = ("group_req_indptr", "doc_req_indices", "doc_lens")
+
+
+class GraphCache:
+    """Captured decode steps of one model runner, keyed by step shape."""
+
+    def __init__(self, model, backend, device: torch.device) -> None:
+        self.model, self.backend, self.device = model, backend, device
+        self.graphs: dict[tuple, CapturedStep] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def key(self, meta: ForwardMetadata) -> tuple:
+        casc = meta.cascade
+        cascade_key = None if casc is None else (casc.doc_req_indices.shape[0],
+                                                 casc.max_group_size, length_bucket(casc.max_doc_len))
+        return (meta.kind, meta.batch_size, meta.num_tokens, meta.max_extend_len,
+                length_bucket(meta.max_prefix_len + meta.max_extend_len), cascade_key)
+
+    def run(self, input_ids: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        key = self.key(meta)
+        step = self.graphs.get(key)
+        if step is None:
+            step = self.graphs[key] = self._capture(key, input_ids, meta)
+        step.input_ids.copy_(input_ids)
+        for name in _TENSOR_FIELDS:
+            getattr(step.meta, name).copy_(getattr(meta, name))
+        if meta.cascade is not None:
+            for name in _CASCADE_FIELDS:
+                getattr(step.meta.cascade, name).copy_(getattr(meta.cascade, name))
+        step.graph.replay()
+        return step.logits
+
+    def _static_meta(self, key: tuple, meta: ForwardMetadata) -> ForwardMetadata:
+        """A copy of `meta` in tensors the graph owns, with host maxima at the bucket's bounds."""
+        bound = key[4]
+        fields = {name: getattr(meta, name).clone() for name in _TENSOR_FIELDS}
+        cascade = None
+        if meta.cascade is not None:
+            cascade = CascadeMetadata(
+                **{name: getattr(meta.cascade, name).clone() for name in _CASCADE_FIELDS},
+                max_group_size=meta.cascade.max_group_size, max_doc_len=key[5][2])
+        return dataclasses.replace(meta, **fields, cascade=cascade,
+                                   max_prefix_len=bound - meta.max_extend_len)
+
+    def _forward(self, input_ids: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        init = getattr(self.backend, "init_forward_metadata", None)
+        if init is not None:
+            init(meta)
+        hidden = self.model(input_ids, meta.positions, meta, self.backend)
+        return self.model.compute_logits(hidden[meta.logit_indices])
+
+    def _capture(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMetadata) -> CapturedStep:
+        static_ids = input_ids.clone()
+        static_meta = self._static_meta(key, meta)
+        # The warm-up writes this step's K/V exactly as the replay that follows will: harmless.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(static_ids, static_meta)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(static_ids, static_meta)
+        return CapturedStep(graph, static_ids, static_meta, logits)

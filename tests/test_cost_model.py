@@ -1,0 +1,46 @@
+"""The decode-step cost model behind mode="auto" and streams="auto"."""
+
+import pytest
+
+from ppqa.engine import cost_model as cm
+from ppqa.engine.presets import preset_config as _preset_config
+
+
+def preset_config(name):
+    return _preset_config(name)[0]
+
+GPU = cm.DeviceRates.for_device("cuda")
+MODES = ("stock", "cascade", "parallel")
+
+
+def work(doc, questions, answer=128, question=14):
+    return cm.Workload(doc_tokens=doc, questions=questions, question_tokens=question,
+                       max_new_tokens=answer)
+
+
+@pytest.mark.parametrize("doc,questions", [(8192, 64), (16384, 256)])
+def test_long_shared_documents_leave_stock(doc, questions):
+    mode, _, predicted = cm.choose(preset_config("codellama-7b"), work(doc, questions), GPU, MODES)
+    assert mode != "stock"
+    assert predicted["stock"] > 5 * predicted[mode]
+
+
+def test_one_question_or_tiny_documents_stay_stock():
+    cfg = preset_config("qwen2.5-1.5b")
+    assert cm.choose(cfg, work(16384, 1), GPU, MODES)[0] == "stock"
+    assert cm.choose(cfg, work(64, 16, answer=16), GPU, MODES)[0] == "stock"
+
+
+def test_parallel_cost_is_u_shaped_in_streams():
+    """Few streams re-read the document often; many scan too many sibling tokens (the paper)."""
+    cfg, w = preset_config("codellama-7b"), work(16384, 256, answer=1024)
+    times = {p: cm.attention_seconds(cfg, w, "parallel", p, GPU) for p in cm.STREAM_CHOICES}
+    best = cm.best_streams(cfg, w, GPU)
+    assert times[min(times)] > times[best] and times[max(times)] > times[best]
+
+
+def test_stock_attention_grows_with_questions_and_document():
+    cfg = preset_config("codellama-7b")
+    a = cm.attention_seconds(cfg, work(8192, 64), "stock", 1, GPU)
+    assert cm.attention_seconds(cfg, work(16384, 64), "stock", 1, GPU) == pytest.approx(2 * a, rel=0.02)
+    assert cm.attention_seconds(cfg, work(8192, 128), "stock", 1, GPU) == pytest.approx(2 * a)
