@@ -187,6 +187,19 @@ def test_claim_finishes_a_job_whose_answers_are_all_in(any_db, add_job):
     assert job_row(any_db, job)["status"] == "done"
 
 
+def test_answered_job_is_done_even_at_its_last_attempt_and_the_next_document_is_claimed(
+        any_db, add_job):
+    """The finishing step lost on a job's last allowed attempt: done, not failed; and the claim
+    goes on to the next document instead of returning nothing."""
+    job = add_job(any_db, "D1.")
+    claim = queue.claim_jobs(any_db, "dead", 60, max_attempts=1)[0]
+    answer_all(any_db, claim, "dead")
+    expire(any_db, job)
+    other = add_job(any_db, "D2.")
+    assert [c.job_id for c in queue.claim_jobs(any_db, "w2", 60, max_attempts=1)] == [other]
+    assert job_row(any_db, job)["status"] == "done" and job_row(any_db, job)["error"] is None
+
+
 def test_job_report_is_checked():
     with pytest.raises(ValueError, match="wall_seconds"):
         queue.JobReport(**{**REPORT, "wall_seconds": -1.0})

@@ -78,32 +78,38 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
     order = (Job.priority.desc(), Job.created_at, Job.id)
     with db.write() as conn:
         now = db.now(conn)
-        conn.execute(update(Job).where(
-            Job.status == RUNNING, Job.lease_expires_at < now, Job.attempts >= max_attempts
-        ).values(status=FAILED, finished_at=now, lease_owner=None, lease_expires_at=None,
-                 error=f"lease expired after {max_attempts} attempts (did its worker die?)"))
-        head = conn.execute(select(Job.document_id).where(_claimable(now, model)).order_by(*order)
-                            .limit(1).with_for_update(skip_locked=True)).first()
-        if head is None:
-            return []
-        rows = conn.execute(
-            select(Job.id, Job.params, Job.priority, Job.attempts, Job.question_count)
-            .where(_claimable(now, model), Job.document_id == head.document_id)
-            .order_by(*order).limit(max_jobs).with_for_update(skip_locked=True)).all()
-        open_questions = _unanswered(conn, [r.id for r in rows])
-        chosen, total = [], 0
-        for row in rows:
-            todo = open_questions.get(row.id, [])
-            if not todo:  # every answer is in: only the finishing step was lost
-                conn.execute(update(Job).where(Job.id == row.id).values(
-                    status=DONE, finished_at=now, lease_owner=None, lease_expires_at=None))
-                continue
-            if chosen and max_questions is not None and total + len(todo) > max_questions:
-                break
-            chosen.append(row)
-            total += len(todo)
-        if not chosen:
-            return []
+        expired = (Job.status == RUNNING) & (Job.lease_expires_at < now)
+        # A dead worker that had written every answer only lost the finishing step: done, not
+        # failed, whatever its attempts.
+        unanswered = (select(Question.id).outerjoin(Answer, Answer.question_id == Question.id)
+                      .where(Question.job_id == Job.id, Answer.id.is_(None)).exists())
+        conn.execute(update(Job).where(expired, ~unanswered).values(
+            status=DONE, finished_at=now, lease_owner=None, lease_expires_at=None))
+        conn.execute(update(Job).where(expired, Job.attempts >= max_attempts).values(
+            status=FAILED, finished_at=now, lease_owner=None, lease_expires_at=None,
+            error=f"lease expired after {max_attempts} attempts (did its worker die?)"))
+        chosen: list = []
+        while not chosen:  # a document whose jobs all turn out answered: try the next one
+            head = conn.execute(select(Job.document_id).where(_claimable(now, model))
+                                .order_by(*order).limit(1).with_for_update(skip_locked=True)).first()
+            if head is None:
+                return []
+            rows = conn.execute(
+                select(Job.id, Job.params, Job.priority, Job.attempts, Job.question_count)
+                .where(_claimable(now, model), Job.document_id == head.document_id)
+                .order_by(*order).limit(max_jobs).with_for_update(skip_locked=True)).all()
+            open_questions = _unanswered(conn, [r.id for r in rows])
+            total = 0
+            for row in rows:
+                todo = open_questions.get(row.id, [])
+                if not todo:  # every answer is in: only the finishing step was lost
+                    conn.execute(update(Job).where(Job.id == row.id).values(
+                        status=DONE, finished_at=now, lease_owner=None, lease_expires_at=None))
+                    continue
+                if chosen and max_questions is not None and total + len(todo) > max_questions:
+                    break
+                chosen.append(row)
+                total += len(todo)
         expires = now + timedelta(seconds=lease_seconds)
         conn.execute(update(Job).where(Job.id.in_([r.id for r in chosen])).values(
             status=RUNNING, attempts=Job.attempts + 1, lease_owner=worker_id,
