@@ -180,12 +180,16 @@ def plot_speedups(cells: list[dict], path: Path) -> bool:
     """A bar chart of speedups over stock per cell; False when matplotlib is missing."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
     modes = [m for m in MODES if m != "stock" and any(m in c.get("speedups", {}) for c in cells)]
-    labels = [f"{c['model'].removeprefix('dummy:')}\n{c['doc_tokens'] // 1024}k/{c['questions']}"
+    def tokens(n: int) -> str:
+        return f"{n // 1024}k" if n >= 1024 else str(n)
+
+    labels = [f"{c['model'].removeprefix('dummy:')}\n{tokens(c['doc_tokens'])}/{c['questions']}"
               f"/{c['max_new_tokens']}" for c in cells]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cells)), 4))
     width = 0.8 / max(1, len(modes))
@@ -196,6 +200,7 @@ def plot_speedups(cells: list[dict], path: Path) -> bool:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))], labels, fontsize=7)
     ax.set_ylabel("speedup over stock (x)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
