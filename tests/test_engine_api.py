@@ -198,7 +198,7 @@ def test_auto_mode_choice(tmp_path: Path) -> None:
     work = cost_model.Workload(len(prompt.prefix_ids), 5,
                                round(sum(map(len, prompt.suffix_ids)) / 5), 2)
     mode, p, _ = cost_model.choose(eng.model_config, work, cost_model.DeviceRates.for_device("cpu"),
-                                   ("stock", "cascade", "parallel"), 4)
+                                   ("stock", "parallel"), 4)
     assert (many.mode, many.streams) == (mode, p)
     assert eng.run([QuestionRequest(i, "doc", f"q{i}", sp) for i in range(5)], mode="parallel",
                    streams="auto").mode == "parallel"
