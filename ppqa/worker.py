@@ -41,7 +41,7 @@ class WorkerOptions:
     model: str = "smollm2"
     device: str = "cpu"
     mode: str = "auto"  # "auto": each job's own mode when the batch agrees, else the engine's pick
-    streams: int | None = None
+    streams: int | str | None = None  # P, "auto" (the cost model's P) or None (engine default)
     max_jobs: int = 16  # jobs per cycle (over one or more documents)
     max_questions: int = 512  # unanswered questions per cycle (the first job is taken whole)
     follow: bool = False  # keep waiting for new jobs instead of exiting when the queue is empty
@@ -53,8 +53,9 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.streams is not None and self.streams < 1:
-            raise ValueError(f"streams must be at least 1, got {self.streams}")
+        if self.streams is not None and self.streams != "auto" and (
+                not isinstance(self.streams, int) or self.streams < 1):
+            raise ValueError(f"streams must be at least 1 or 'auto', got {self.streams!r}")
         for name in ("max_jobs", "max_questions", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -28,6 +28,8 @@ def _job_state(db, job_id: int):
     (["--gpu", "0", "--device", "cpu"], "give --gpu N or --device, not both"),
     (["--device", "tpu"], "device 'tpu'"),
     (["--mode", "fast"], "unknown --mode 'fast'"),
+    (["--streams", "0"], "--streams must be a whole number >= 1 or 'auto'"),
+    (["--streams", "many"], "--streams must be a whole number >= 1 or 'auto'"),
 ])
 def test_bad_setup_exits_2_before_claiming(sqlite_db, sqlite_path, add_job, args, message):
     job = add_job(sqlite_db)

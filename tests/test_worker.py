@@ -161,6 +161,19 @@ def test_run_once_json_summary(sqlite_path, sqlite_db, add_job):
     assert f"job {job} done" in result.stderr  # log lines, since stderr is not a terminal
 
 
+def test_run_with_streams_auto_lets_the_cost_model_pick_p(sqlite_path, sqlite_db, add_job):
+    from ppqa.cli.app import app
+
+    add_job(sqlite_db, DOC, [f"Question {i}?" for i in range(6)], max_new_tokens=3)
+    result = CliRunner().invoke(app, ["--db", str(sqlite_path), "run", "--once", "--json",
+                                      "--device", "cpu", "--model", MODEL, "--mode", "parallel",
+                                      "--streams", "auto"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)["jobs"][0]["report"]
+    assert report["mode"] == "parallel" and 1 <= report["streams"] <= 6
+    assert report["questions"] == 6
+
+
 def test_after_an_engine_failure_the_next_batches_are_smaller(sqlite_db, add_job):
     from ppqa.engine.engine import Engine
 

@@ -51,10 +51,11 @@ def run(
     mode: Annotated[str, typer.Option(
         help="Engine mode: auto (each job's own, else the engine's choice), parallel, stock or "
              "cascade, e.g. --mode parallel.")] = "auto",
-    streams: Annotated[int | None, typer.Option(
-        min=1, show_default=False,
-        help="Questions per request in parallel mode (P), e.g. --streams 16. Default: the "
-             "engine's (32).")] = None,
+    streams: Annotated[str | None, typer.Option(
+        show_default=False, metavar="P|auto",
+        help="Questions per request in parallel mode (P), e.g. --streams 16, or 'auto' to let "
+             "the cost model pick P for the workload. Default: the engine's (32), or the cost "
+             "model's choice when --mode auto picks parallel.")] = None,
     max_jobs: Annotated[int, typer.Option(
         min=1, help="Most jobs taken at once, over one or more documents, e.g. --max-jobs 4.")] = 16,
     max_questions: Annotated[int, typer.Option(
@@ -88,6 +89,10 @@ def run(
         engine = load_engine(model, device_name)
     except SetupError as exc:
         fail(str(exc))
+    if streams is not None and streams != "auto":
+        if not streams.isdigit() or int(streams) < 1:
+            fail(f"--streams must be a whole number >= 1 or 'auto', got {streams!r}")
+        streams = int(streams)
     options = WorkerOptions(model=model, device=device_name, mode=mode, streams=streams,
                             max_jobs=max_jobs, max_questions=max_questions, follow=follow,
                             lease_seconds=lease_seconds, max_attempts=max_attempts)
