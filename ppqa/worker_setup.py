@@ -59,16 +59,18 @@ def resolve_device(gpu: int | None = None, device: str | None = None) -> str:
     return f"cuda:{index}"
 
 
-def load_engine(model: str, device: str, **engine_kwargs):
-    """The Engine for `model` on `device`, or SetupError naming the model and the reason."""
+def load_engine(model: str, device: str, **config_fields):
+    """The Engine for `model` on `device` (EngineConfig fields such as mem_fraction may be given),
+    or SetupError naming the model and the reason."""
     if not model or not model.strip():
         raise SetupError("--model must be a model name, a Hugging Face folder or a .gguf file")
     try:
+        from ppqa.config import EngineConfig
         from ppqa.engine.engine import Engine
     except ImportError as exc:
         raise SetupError(f"the inference engine is not available: {_first_line(exc)}") from None
     try:
-        return Engine(model, device=device, **engine_kwargs)
+        return Engine(model, device=device, config=EngineConfig(**config_fields))
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for the terminal, whatever went wrong

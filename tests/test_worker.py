@@ -171,6 +171,12 @@ def test_run_with_streams_auto_lets_the_cost_model_pick_p(sqlite_path, sqlite_db
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)["jobs"][0]["report"]
     assert report["mode"] == "parallel" and 1 <= report["streams"] <= 6
+    # The pool options reach the engine: a pool too small for the document fails the job alone.
+    add_job(sqlite_db, DOC * 4, ["Question?"], max_new_tokens=3)
+    small = CliRunner().invoke(app, ["--db", str(sqlite_path), "run", "--once", "--json",
+                                     "--device", "cpu", "--model", MODEL, "--kv-tokens", "64"])
+    assert small.exit_code == 0, small.stderr
+    assert "KV pool" in json.dumps(json.loads(small.stdout))
     assert report["questions"] == 6
 
 

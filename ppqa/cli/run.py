@@ -72,6 +72,14 @@ def run(
     max_attempts: Annotated[int, typer.Option(
         min=1, help="A job that fails (or whose worker dies) this many times is marked failed "
                     "with its last error, e.g. --max-attempts 5.")] = 3,
+    mem_fraction: Annotated[float | None, typer.Option(
+        min=0.01, max=1.0, show_default=False,
+        help="GPU: fraction of the memory free after loading the model that the KV pool takes, "
+             "e.g. --mem-fraction 0.5 on a shared GPU. Default 0.85.")] = None,
+    kv_tokens: Annotated[int | None, typer.Option(
+        min=16, show_default=False,
+        help="CPU: KV pool size in tokens (all requests together), e.g. --kv-tokens 16384 to "
+             "use less memory. Default 65536.")] = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="At the end, print a JSON summary of every job this worker ran on "
                        "stdout (progress stays on stderr).")] = False,
@@ -86,7 +94,9 @@ def run(
     try:
         device_name = resolve_device(gpu, device)
         say(f"loading {model} on {device_name} ...")
-        engine = load_engine(model, device_name)
+        pool = {k: v for k, v in (("mem_fraction", mem_fraction),
+                                  ("kv_token_budget", kv_tokens)) if v is not None}
+        engine = load_engine(model, device_name, **pool)
     except SetupError as exc:
         fail(str(exc))
     if streams is not None and streams != "auto":
