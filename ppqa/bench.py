@@ -76,6 +76,7 @@ class Cell:
     peak_mem_gib: dict[str, float] = field(default_factory=dict)
     chosen: dict[str, str] = field(default_factory=dict)  # what `auto` resolved to
     speedups: dict[str, float] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)  # untimed run capturing graphs
 
     def summarize(self) -> None:
         base = self.wall_s.get("stock")
@@ -93,13 +94,32 @@ class Cell:
         return d
 
 
+def warm_cell(engine, cell: Cell, modes: list[str], log: Callable[[str], None] = print) -> None:
+    """Run the cell once untimed so that its CUDA graph shapes (batch, P, row-length buckets)
+    are captured before timing: in full for every mode but stock, whose graphs depend on the
+    batch and a row length that grows by one token a step, so a few tokens capture them."""
+    from ppqa import SamplingParams
+
+    document, questions = make_workload(engine.tokenizer, cell.doc_tokens, cell.questions,
+                                        cell.seeds[0])
+    for mode in modes:
+        budget = min(8, cell.max_new_tokens) if mode == "stock" else cell.max_new_tokens
+        t0 = time.perf_counter()
+        engine.answer(document, questions, mode=mode, streams=None if mode == "auto" else cell.streams,
+                      sampling=SamplingParams(max_new_tokens=budget, ignore_eos=True))
+        cell.warmup_s[mode] = time.perf_counter() - t0
+        log(f"  warm-up {mode:8s} {cell.warmup_s[mode]:8.3f} s ({budget} tokens)")
+
+
 def time_cell(engine, cell: Cell, modes: list[str], passes: int = 2,
-              log: Callable[[str], None] = print) -> Cell:
+              log: Callable[[str], None] = print, warm: bool = True) -> Cell:
     """Time every mode on every seed of one cell; modes run in reverse order on odd passes."""
     import torch
 
     from ppqa import QuestionRequest, SamplingParams
 
+    if warm:
+        warm_cell(engine, cell, modes, log)
     sampling = SamplingParams(max_new_tokens=cell.max_new_tokens, ignore_eos=True)
     per_seed: dict[str, dict[int, list[float]]] = {m: {s: [] for s in cell.seeds} for m in modes}
     cuda = engine.device.type == "cuda"

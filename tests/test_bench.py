@@ -46,6 +46,7 @@ def test_tiny_bench_runs_every_mode_and_writes_json(tmp_path):
     assert len(cell["runs"]) == 2 * 4  # two passes, four modes, one seed
     assert cell["runs"][3]["mode"] == "auto" and cell["runs"][4]["mode"] == "auto"  # reversed
     assert all(v > 0 for v in cell["speedups"].values())
+    assert set(cell["warmup_s"]) == {"stock", "cascade", "parallel", "auto"}
     again = CliRunner().invoke(app, ["bench", "--from", str(out)])
     assert again.exit_code == 0 and "tiny-gqa" in again.output
 

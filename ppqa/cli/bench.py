@@ -50,6 +50,9 @@ def bench(
     kv_tokens: Annotated[int | None, typer.Option(
         help="KV pool size in tokens (default: the engine's: a fraction of free GPU memory).",
         show_default=False)] = None,
+    warm_cells: Annotated[bool, typer.Option(
+        help="Before timing a cell, run it once untimed (stock: a few tokens) so that CUDA "
+             "graph capture of its shapes is not timed.")] = True,
     cuda_graphs: Annotated[bool, typer.Option(
         help="Replay decode steps from CUDA graphs (GPU, Triton backend).")] = True,
     out: Annotated[Path, typer.Option(help="Results JSON (rewritten after every cell).")]
@@ -109,7 +112,7 @@ def bench(
         say(f"cell: doc {d} tokens, {q} questions, {t} answer tokens")
         cell = b.Cell(model=model, doc_tokens=d, questions=q, max_new_tokens=t, seeds=seed_list,
                       streams=streams)
-        b.time_cell(engine, cell, mode_list, passes=passes, log=say)
+        b.time_cell(engine, cell, mode_list, passes=passes, log=say, warm=warm_cells)
         cells.append(cell)
         b.write_results(out, gpu, command, cells)
     table_cells = [c.to_json() for c in cells]
