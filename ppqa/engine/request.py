@@ -79,7 +79,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.streams)
+        """Every stream has finished (meaningful once answers started: `live` marks the rest)."""
+        return not self.live.any()
 
     @property
     def all_greedy(self) -> bool:

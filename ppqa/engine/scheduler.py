@@ -237,6 +237,13 @@ class Scheduler:
                 req.start_answers()
                 picks = tokens[offset:offset + len(fed)]
                 offset += len(fed)
+            elif req.width == 1:  # stock and cascade: skip numpy on one-element arrays (hot at B=256)
+                fed = [0] if req.live[0] else []
+                if fed:
+                    req.prefix_len += 1
+                    req.next_pos[0] += 1
+                picks = [tokens[offset]] if fed else []
+                offset += 1
             else:
                 live = req.live.copy()
                 fed = np.flatnonzero(live).tolist()
