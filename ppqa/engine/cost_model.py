@@ -71,10 +71,6 @@ class Workload:
         return self.question_tokens + self.max_new_tokens / 2
 
 
-def _kv_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    return cfg.kv_bytes_per_token(dtype_bytes)
-
-
 def _flops_per_pair(cfg: ModelConfig) -> int:
     """FLOPs of one (query token, key token) pair across layers: QK^T and PV, all query heads."""
     return 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers
@@ -83,7 +79,7 @@ def _flops_per_pair(cfg: ModelConfig) -> int:
 def attention_seconds(cfg: ModelConfig, w: Workload, mode: str, streams: int,
                       rates: DeviceRates, dtype_bytes: int = 2) -> float:
     """Predicted attention time of one decode step of all Q questions."""
-    kv, fp = _kv_bytes(cfg, dtype_bytes), _flops_per_pair(cfg)
+    kv, fp = cfg.kv_bytes_per_token(dtype_bytes), _flops_per_pair(cfg)
     L, Q, s = w.doc_tokens, w.questions, w.own_tokens
     bw, mm = rates.bandwidth, rates.matmul
     if mode == "stock":  # matrix-vector products: bandwidth alone
