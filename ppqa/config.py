@@ -79,6 +79,9 @@ class EngineConfig:
     seed: int = 0  # dummy weights, and the seeds of sampled questions that give none
     max_prefill_tokens: int = 8192  # tokens in one prefill forward (document chunks, question batches)
     max_row_tokens: int | None = None  # req_to_token row length; None: min(pool, 4 x context)
+    # Keep one decode step in flight: build and launch step t+1 before reading step t's tokens
+    # (the host work hides behind the GPU). False reads every step back before the next.
+    overlap_steps: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))

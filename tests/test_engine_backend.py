@@ -122,7 +122,7 @@ def test_decode_and_cascade_match_reference_and_each_other(heads: int, kv_heads:
                           kv_start=torch.tensor([37, 37, 20] if cascade else [0, 0, 0]),
                           prefix_lens=torch.tensor([lens[r] for r in rows]),
                           logit_indices=torch.arange(3),
-                          cascade_groups=[(0, 2, 37), (2, 3, 20)] if cascade else None)
+                          cascade_groups=[(0, 2, 37, -1), (2, 3, 20, -1)] if cascade else None)
         _, meta = s.runner.prepare(step)
         outs[cascade] = s.backend.forward(0, q, k, v, meta)
     for b, row in enumerate(rows):

@@ -52,6 +52,10 @@ class CascadeMetadata:
     doc_lens: torch.Tensor  # [G] int32: document tokens (the row prefix [0, doc_len) is the document)
     max_group_size: int
     max_doc_len: int
+    # [G] int32: group g's document is the slot run doc_starts[g] + i; meaningful when
+    # `contiguous` (host bool: every group's document is one run), else kernels gather.
+    doc_starts: torch.Tensor | None = None
+    contiguous: bool = False
 
 
 @dataclass
@@ -69,6 +73,11 @@ class ForwardMetadata:
     max_extend_len: int  # max new tokens of one request in this step
     max_prefix_len: int  # max prefix_lens over the batch (host int; may be an upper bound)
     cascade: CascadeMetadata | None = None
+    # Optional hints, [B] int32: row positions [0, doc_len[b]) of request b are the slot run
+    # doc_start[b] + i, all of stream -1 (a cached document); doc_len 0 = unknown. Kernels may
+    # read that part with affine addresses; without them (None) they gather everything.
+    doc_start: torch.Tensor | None = None
+    doc_len: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -5,7 +5,8 @@
     run(requests) -> prompts per (template, document) -> checks (context, pool) -> requests of
     P streams (parallel) or one question each (stock, cascade) -> scheduler loop:
         admit -> prefill new documents (once per engine) -> prefill questions -> decode steps,
-    each step: runner -> sampler -> scheduler.postprocess -> answers handed to `on_answer`.
+    each step: scheduler builds it -> runner -> sampler; its tokens are read back while the next
+    step runs -> scheduler.postprocess -> answers handed to `on_answer`.
 `answer(document, questions)` is `run` for one document, returning answers in question order.
 The document cache outlives `run` calls, so a document is prefilled once per engine.
 """
@@ -25,7 +26,7 @@ from ppqa.engine.kv_cache import document_key
 from ppqa.engine.outputs import MODES, Answer, PromptTooLongError, QuestionRequest, RunStats
 from ppqa.engine.request import Request, Stream
 from ppqa.engine.sampling import sample
-from ppqa.engine.scheduler import Scheduler, pack_streams
+from ppqa.engine.scheduler import PlannedStep, Scheduler, pack_streams
 
 
 def check_mode(mode: str) -> None:
@@ -227,19 +228,24 @@ class Engine:
 
     def _loop(self, sched: Scheduler, stats: RunStats, started: float, on_answer,
               should_stop) -> None:
+        """Admit, prefill, decode. One decode step stays in flight: step t+1 is built and
+        launched (its input tokens taken from step t's sampled tokens on the device) before
+        step t's tokens are read back and applied, so host work overlaps the GPU. Admission
+        first drains the step in flight; prefills run synchronously."""
         runner, tokenizer = self._parts.runner, self.tokenizer
         eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
         cascade = stats.mode == "cascade"
         kind = "extend" if stats.mode == "parallel" else "decode"
 
-        def step(requests: list[Request], inputs, prefill: bool) -> None:
-            logits = runner.run(inputs)
-            pad_rows = logits.shape[0] - (sum(len(r.streams) for r in requests) if prefill
-                                          else sum(r.width for r in requests))
-            tokens = sample(logits, sched.sampling_batch(requests, prefill, pad_rows)).tolist()
-            now = time.perf_counter()
+        def launch(step: PlannedStep, prev: _Launched | None) -> _Launched:
+            logits = runner.run(step.inputs, None if prev is None else prev.tokens)
             stats.steps += 1
-            for stream in sched.postprocess(requests, tokens, prefill=prefill, eos_ids=eos,
+            return _Launched(step, sample(logits, step.sampling))
+
+        def finish(launched: _Launched) -> None:
+            tokens = launched.read()
+            now = time.perf_counter()
+            for stream in sched.postprocess(launched.step, tokens, eos_ids=eos,
                                             decode=tokenizer.decode, now=now):
                 answer = Answer(stream.text, list(stream.output_ids), stream.finish_reason,
                                 stream.prompt_tokens, latency_s=now - started)
@@ -249,30 +255,62 @@ class Engine:
                 if on_answer is not None:
                     on_answer(stream.key, answer)
 
+        in_flight: _Launched | None = None
         while sched.has_work():
             if should_stop is not None and should_stop():
                 stats.stopped = True
                 return
-            admitted = sched.admit()
-            if admitted:
-                begin = runner.synchronize()
+            if sched.should_admit():
+                if in_flight is not None:
+                    finish(in_flight)
+                    in_flight = None
+                begin = time.perf_counter()
+                admitted = sched.admit()
                 for doc in sched.documents_to_prefill(admitted):
                     for inputs in sched.document_steps(doc):
                         runner.run(inputs)
                         stats.steps += 1
                     doc.ready = True
                     stats.prefilled_tokens += doc.length
-                inputs = sched.prefill_step(admitted)
-                stats.prefilled_tokens += inputs.num_tokens
-                step(admitted, inputs, prefill=True)
-                stats.prefill_s += runner.synchronize() - begin
+                if admitted:
+                    step = sched.prefill_step(admitted)
+                    stats.prefilled_tokens += step.inputs.num_tokens
+                    finish(launch(step, None))
+                    stats.prefill_s += time.perf_counter() - begin
+            begin = time.perf_counter()
             batch = sched.decode_batch(cascade)
+            launched = None
             if batch:
-                begin = runner.synchronize()
                 stats.max_batch_requests = max(stats.max_batch_requests, len(batch))
                 # Fixed shapes for CUDA graphs: B padded to a power of two with dummy requests.
                 pad_to = 1 << (len(batch) - 1).bit_length() if self.config.cuda_graphs else 0
-                step(batch, sched.decode_step(batch, kind=kind, cascade=cascade, pad_to=pad_to),
-                     prefill=False)
-                stats.decode_s += runner.synchronize() - begin
+                step = sched.decode_step(batch, kind=kind, cascade=cascade, pad_to=pad_to,
+                                         prev=None if in_flight is None else in_flight.step)
+                launched = launch(step, in_flight)
+            if in_flight is not None:
+                finish(in_flight)
+            in_flight = launched
+            if in_flight is not None and not self.config.overlap_steps:
+                finish(in_flight)
+                in_flight = None
+            stats.decode_s += time.perf_counter() - begin
 
+
+class _Launched:
+    """A step on its way: its sampled tokens on the device, copied to pinned host memory
+    behind the step (no wait); `read` waits for this step alone."""
+
+    def __init__(self, step: PlannedStep, tokens: torch.Tensor) -> None:
+        self.step, self.tokens = step, tokens
+        self._event = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def read(self) -> list[int]:
+        if self._event is None:
+            return self.tokens.tolist()
+        self._event.synchronize()
+        return self._host.tolist()

@@ -2,8 +2,9 @@
 
 A decode step's shapes depend only on the padded batch (B requests of P new tokens each) and
 on host-side launch choices of the attention backend, which the backend derives from
-`max_prefix_len` (split counts). The graph key is therefore (kind, B, T, P, length bucket,
-cascade groups): the length bucket is an upper bound on every row's length, rounded up to a
+`max_prefix_len` (split counts), and on which kernel variants the step's metadata selects (the
+optional document hints, contiguous cascade documents). The graph key is therefore (kind, B, T,
+P, length bucket, cascade groups, fields present): the length bucket is an upper bound on every row's length, rounded up to a
 quarter of a power of two so that a long run captures a handful of graphs, not one per step.
 The kernels read real lengths from tensors, so a bound only steers how the work is split.
 
@@ -43,7 +44,16 @@ class CapturedStep:
 
 _TENSOR_FIELDS = ("positions", "out_slots", "q_sid", "qo_indptr", "req_indices", "kv_start",
                   "prefix_lens", "logit_indices")
-_CASCADE_FIELDS = ("group_req_indptr", "doc_req_indices", "doc_lens")
+_OPTIONAL_FIELDS = ("doc_start", "doc_len")  # present or not per step: part of the key
+_CASCADE_FIELDS = ("group_req_indptr", "doc_req_indices", "doc_lens", "doc_starts")
+
+
+def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()
+
+
+def _fields(meta: ForwardMetadata) -> list[str]:
+    return list(_TENSOR_FIELDS) + [n for n in _OPTIONAL_FIELDS if getattr(meta, n) is not None]
 
 
 class GraphCache:
@@ -57,9 +67,11 @@ class GraphCache:
     def key(self, meta: ForwardMetadata) -> tuple:
         casc = meta.cascade
         cascade_key = None if casc is None else (casc.doc_req_indices.shape[0],
-                                                 casc.max_group_size, length_bucket(casc.max_doc_len))
+                                                 casc.max_group_size, length_bucket(casc.max_doc_len),
+                                                 casc.contiguous)
         return (meta.kind, meta.batch_size, meta.num_tokens, meta.max_extend_len,
-                length_bucket(meta.max_prefix_len + meta.max_extend_len), cascade_key)
+                length_bucket(meta.max_prefix_len + meta.max_extend_len), cascade_key,
+                tuple(_fields(meta)))
 
     def run(self, input_ids: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         key = self.key(meta)
@@ -67,23 +79,25 @@ class GraphCache:
         if step is None:
             step = self.graphs[key] = self._capture(key, input_ids, meta)
         step.input_ids.copy_(input_ids)
-        for name in _TENSOR_FIELDS:
+        for name in _fields(meta):
             getattr(step.meta, name).copy_(getattr(meta, name))
         if meta.cascade is not None:
             for name in _CASCADE_FIELDS:
-                getattr(step.meta.cascade, name).copy_(getattr(meta.cascade, name))
+                if getattr(meta.cascade, name) is not None:
+                    getattr(step.meta.cascade, name).copy_(getattr(meta.cascade, name))
         step.graph.replay()
         return step.logits
 
     def _static_meta(self, key: tuple, meta: ForwardMetadata) -> ForwardMetadata:
         """A copy of `meta` in tensors the graph owns, with host maxima at the bucket's bounds."""
         bound = key[4]
-        fields = {name: getattr(meta, name).clone() for name in _TENSOR_FIELDS}
+        fields = {name: getattr(meta, name).clone() for name in _fields(meta)}
         cascade = None
         if meta.cascade is not None:
             cascade = CascadeMetadata(
-                **{name: getattr(meta.cascade, name).clone() for name in _CASCADE_FIELDS},
-                max_group_size=meta.cascade.max_group_size, max_doc_len=key[5][2])
+                **{name: _clone(getattr(meta.cascade, name)) for name in _CASCADE_FIELDS},
+                max_group_size=meta.cascade.max_group_size, max_doc_len=key[5][2],
+                contiguous=meta.cascade.contiguous)
         return dataclasses.replace(meta, **fields, cascade=cascade,
                                    max_prefix_len=bound - meta.max_extend_len)
 

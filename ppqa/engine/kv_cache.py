@@ -153,6 +153,14 @@ class CachedDocument:
     last_used: int = 0
     ready: bool = False  # prefilled; until then the requests holding it wait for the prefill
     uid: int = field(default=0)
+    # First slot when the slots are one contiguous run (the usual case: first-fit allocation),
+    # else -1. Kernels read a contiguous document with affine addresses instead of gathers.
+    start: int = field(init=False, default=-1)
+
+    def __post_init__(self) -> None:
+        n = self.slots.numel()
+        if n and torch.equal(self.slots.cpu(), torch.arange(int(self.slots[0]), int(self.slots[0]) + n)):
+            self.start = int(self.slots[0])
 
     @property
     def length(self) -> int:

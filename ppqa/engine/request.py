@@ -4,8 +4,13 @@ document and P streams (P = 1 for `stock` and `cascade`); a `Stream` is one ques
 Per-stream state that every step needs (next rotary position, live flag, last token, sampling
 parameters) is kept in small [P] numpy arrays (cheap to update one element, cheap to concatenate),
 so the scheduler builds a step for B requests with a few concatenations, not a loop over tokens.
-`Request.accept` applies one sampled token to a stream: EOS, stop strings and the token budget
-end it.
+
+Two clocks: a step *schedules* a token for each stream it feeds (`num_out`, the sampling counter,
+and the row/rotary positions advance when the step is built), and a token is *accepted* when the
+host reads it back (`Request.accept`: EOS, stop strings and the token budget end the stream).
+The engine builds step t+1 before it reads step t's tokens, so a stream may be fed once after the
+token that ended it; that token's KV lands in a slot only the dead stream can see, within its
+reservation (a stream is never scheduled past its token budget).
 """
 
 from __future__ import annotations
@@ -57,12 +62,18 @@ class Request:
         self.next_pos = np.zeros(width, dtype=np.int64)
         self.live = np.zeros(width, dtype=bool)
         self.last_token = np.zeros(width, dtype=np.int64)
-        self.num_out = np.zeros(width, dtype=np.int64)  # tokens sampled: the RNG counter
+        self.num_out = np.zeros(width, dtype=np.int64)  # tokens scheduled: the RNG counter
+        self.max_new = np.array([s.sampling.max_new_tokens for s in self.streams] + [0] * pad,
+                                dtype=np.int64)
+        # The step whose sampled tokens are still on the device (its id, this request's first
+        # logit row in it), or -1: the next step takes this request's input tokens from there.
+        self.pending_step, self.pending_row = -1, 0
         self.temperature = np.array([s.sampling.temperature for s in self.streams] + [0.0] * pad,
                                     dtype=np.float32)
         self.top_p = np.array([s.sampling.top_p for s in self.streams] + [1.0] * pad, dtype=np.float32)
         self.top_k = np.array([s.sampling.top_k for s in self.streams] + [0] * pad, dtype=np.int64)
         self.seed = np.array([s.seed for s in self.streams] + [0] * pad, dtype=np.int64)
+        self.all_greedy = all(s.sampling.greedy for s in self.streams)
 
     @property
     def doc_len(self) -> int:
@@ -82,9 +93,9 @@ class Request:
         """Every stream has finished (meaningful once answers started: `live` marks the rest)."""
         return not self.live.any()
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(s.sampling.greedy for s in self.streams)
+    def schedulable(self) -> np.ndarray:
+        """[P] bool: streams a new step would feed (live, and token budget not yet scheduled)."""
+        return self.live & (self.num_out < self.max_new)
 
     def start_answers(self) -> None:
         """After the question prefill: every real stream is live at its first answer position."""
@@ -98,7 +109,6 @@ class Request:
         """Apply stream s's sampled token; True if the stream finished with it."""
         stream = self.streams[s]
         params = stream.sampling
-        self.num_out[s] += 1
         if not params.ignore_eos and token in eos_ids:
             return self._finish(s, "stop", decode(stream.output_ids), now)
         stream.output_ids.append(token)

@@ -7,8 +7,10 @@ device in one copy, looks the new tokens' slots up in req_to_token on the device
 `ForwardMetadata` that every layer's attention receives. `run` then calls the model and returns
 float32 logits for `logit_indices` only.
 
-For CUDA graphs (a later issue) a decode step's shapes depend only on (B, P): the graph runner can
-keep `prepare`'s outputs in persistent buffers, copy each step's packed tensor into them and replay.
+A decode step's shapes depend only on (B, P): `GraphCache` (graph_runner.py) copies `prepare`'s
+outputs into a captured graph's static tensors and replays it. A decode step's input tokens may
+come from the previous step's sampled tokens, still on the device (`StepInputs.input_src`), so the
+engine can build and launch step t+1 before reading step t back.
 """
 
 from __future__ import annotations
@@ -37,8 +39,14 @@ class StepInputs:
     kv_start: torch.Tensor  # [B] int64
     prefix_lens: torch.Tensor  # [B] int64
     logit_indices: torch.Tensor  # [R] int64
-    cascade_groups: list[tuple[int, int, int]] | None = None  # (first request, end, doc_len)
+    # (first request, end, doc_len, first slot of the document's run or -1)
+    cascade_groups: list[tuple[int, int, int, int]] | None = None
     decode: bool = False  # a decode step (fixed shape per batch): replayed as a CUDA graph
+    # [T] int64: row of the previous step's sampled tokens (on the device) that is this token's
+    # input, or -1 to take input_ids; None: every input from input_ids.
+    input_src: torch.Tensor | None = None
+    doc_start: torch.Tensor | None = None  # [B] int64, see ForwardMetadata
+    doc_len: torch.Tensor | None = None  # [B] int64
 
     def __post_init__(self) -> None:
         tokens, batch = self.input_ids.shape[0], self.req_rows.shape[0]
@@ -68,25 +76,39 @@ class ModelRunner:
 
             self.graphs = GraphCache(model, backend, device)
 
-    def prepare(self, step: StepInputs) -> tuple[torch.Tensor, ForwardMetadata]:
-        """(input_ids on the device, ForwardMetadata); also stamps slot_sid for the new slots."""
+    def prepare(self, step: StepInputs, prev_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, ForwardMetadata]:
+        """(input_ids on the device, ForwardMetadata); also stamps slot_sid for the new slots.
+        prev_tokens: the previous step's sampled tokens, which step.input_src points into."""
         batch = step.req_rows.shape[0]
         token_req = torch.repeat_interleave(torch.arange(batch), step.qo_indptr.diff())
         parts = [step.input_ids, step.layout.positions, step.layout.q_sid.to(torch.int64),
                  step.layout.row_pos, token_req, step.req_rows, step.kv_start, step.prefix_lens,
                  step.qo_indptr, step.logit_indices]
+        optional = [t for t in (step.input_src, step.doc_start, step.doc_len) if t is not None]
+        parts += optional
         groups = step.cascade_groups
         if groups is not None:
-            parts += [torch.tensor([0] + [end for _, end, _ in groups]),
-                      step.req_rows[[first for first, _, _ in groups]],
-                      torch.tensor([doc_len for _, _, doc_len in groups])]
+            parts += [torch.tensor([0] + [g[1] for g in groups]),
+                      step.req_rows[[g[0] for g in groups]],
+                      torch.tensor([g[2] for g in groups]),
+                      torch.tensor([max(g[3], 0) for g in groups])]
         sizes = [p.shape[0] for p in parts]
         packed = torch.cat([p.to(torch.int64) for p in parts])
         if self.device.type == "cuda":
             packed = packed.pin_memory()
         packed = packed.to(self.device, non_blocking=True)
         (input_ids, positions, q_sid, row_pos, token_req_d, req_rows, kv_start, prefix_lens,
-         qo_indptr, logit_indices, *cascade) = packed.split(sizes)
+         qo_indptr, logit_indices, *rest) = packed.split(sizes)
+        extras = iter(rest)
+        if step.input_src is not None:
+            if prev_tokens is None:
+                raise ValueError("StepInputs.input_src needs the previous step's tokens")
+            src = next(extras)
+            input_ids = torch.where(src >= 0, prev_tokens[src.clamp(min=0)], input_ids)
+        doc_start = next(extras).to(torch.int32) if step.doc_start is not None else None
+        doc_len = next(extras).to(torch.int32) if step.doc_len is not None else None
+        cascade = list(extras)
         table = self.table.table
         rows_of_tokens = req_rows[token_req_d]
         out_slots = torch.where(row_pos >= 0, table[rows_of_tokens, row_pos.clamp(min=0)].long(),
@@ -95,12 +117,14 @@ class ModelRunner:
         self.pool.slot_sid[out_slots] = q_sid
         cascade_meta = None
         if groups is not None:
-            indptr, doc_rows, doc_lens = cascade
+            indptr, doc_rows, doc_lens, doc_starts = cascade
             cascade_meta = CascadeMetadata(
                 group_req_indptr=indptr.to(torch.int32), doc_req_indices=doc_rows.to(torch.int32),
                 doc_lens=doc_lens.to(torch.int32),
-                max_group_size=max(end - first for first, end, _ in groups),
-                max_doc_len=max(doc_len for _, _, doc_len in groups))
+                max_group_size=max(g[1] - g[0] for g in groups),
+                max_doc_len=max(g[2] for g in groups),
+                doc_starts=doc_starts.to(torch.int32),
+                contiguous=all(g[3] >= 0 or g[2] == 0 for g in groups))
         extend_lens = step.qo_indptr.diff()
         meta = ForwardMetadata(
             kind=step.kind, positions=positions, out_slots=out_slots, q_sid=q_sid,
@@ -109,16 +133,17 @@ class ModelRunner:
             req_to_token=table, logit_indices=logit_indices,
             max_extend_len=int(extend_lens.max()) if batch else 0,
             max_prefix_len=int(step.prefix_lens.max()) if batch else 0,
-            cascade=cascade_meta)
+            cascade=cascade_meta, doc_start=doc_start, doc_len=doc_len)
         init = getattr(self.backend, "init_forward_metadata", None)
         if init is not None:
             init(meta)
         return input_ids, meta
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> torch.Tensor | None:
-        """Forward one step; float32 logits [R, vocab] for the step's logit rows (None if R = 0)."""
-        input_ids, meta = self.prepare(step)
+    def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward one step; float32 logits [R, vocab] for the step's logit rows (None if R = 0).
+        Nothing here waits for the device."""
+        input_ids, meta = self.prepare(step, prev_tokens)
         if self.graphs is not None and step.decode:
             return self.graphs.run(input_ids, meta)
         hidden = self.model(input_ids, meta.positions, meta, self.backend)

@@ -9,14 +9,21 @@ request decodes each step (`decode_step`): stock/cascade requests one token ("de
 parallel requests P tokens ("extend" kind, shape (B, P)). A request leaves as soon as all its
 streams are finished, freeing its slots and row, and waiting requests take its place.
 
+Steps are built ahead of their results: building a step (`PlannedStep`) advances the requests'
+rows and counters, and `postprocess` later accepts the step's sampled tokens. The engine keeps
+one decode step in flight this way (see engine.py), so the host builds step t+1 and reads step
+t's tokens while the GPU runs.
+
 Data flow: engine -> `admit` -> (`document_steps` for documents not yet prefilled) ->
 `prefill_step` / `decode_step` -> runner -> sampler -> `postprocess` -> finished streams -> engine.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +33,22 @@ from ppqa.engine.layout import StepLayout, decode_layout, document_layout, quest
 from ppqa.engine.request import Request, Stream
 from ppqa.engine.runner import StepInputs
 from ppqa.engine.sampling import SamplingBatch
+
+
+@dataclass(eq=False)
+class PlannedStep:
+    """A built step: its inputs and sampling rows, and which streams it feeds.
+
+    bases[i]: the first logit (and sampled-token) row of requests[i]; fed[i]: [P] bool, the
+    streams of requests[i] that this step samples a token for (prefill: every real stream).
+    """
+
+    uid: int
+    requests: list[Request]
+    inputs: StepInputs
+    sampling: SamplingBatch
+    bases: list[int]
+    fed: list[np.ndarray]
 
 
 def pack_streams(sizes: Sequence[int], max_streams: int, doc_len: int,
@@ -58,6 +81,9 @@ class Scheduler:
         self.max_batch_requests = max_batch_requests
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._step_ids = itertools.count(1)
+        # The last `admit` stopped for want of rows, KV or batch room: retry after a release.
+        self.admit_blocked = False
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -65,18 +91,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def should_admit(self) -> bool:
+        """Whether `admit` may take a request now (cheap: no allocation is tried)."""
+        return bool(self.waiting) and (not self.running or not self.admit_blocked)
+
     # ---- admission -------------------------------------------------------------------------
 
     def admit(self) -> list[Request]:
         """Move requests from the queue to running while rows, KV and the prefill budget allow."""
         admitted: list[Request] = []
         tokens = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_requests:
+        self.admit_blocked = False
+        while self.waiting:
+            if len(self.running) + len(admitted) >= self.max_batch_requests:
+                self.admit_blocked = True
+                break
             req = self.waiting[0]
             q_tokens = sum(req.question_lens)
             if admitted and tokens + q_tokens > self.max_prefill_tokens:
-                break
+                break  # the next `admit` takes more
             if not self._allocate(req):
+                self.admit_blocked = True
                 break
             self.waiting.popleft()
             admitted.append(req)
@@ -115,6 +150,7 @@ class Scheduler:
             return
         self.pool.allocator.free(req.slots)
         self.table.free(req.row)
+        self.admit_blocked = False
         self.docs.release(req.doc)
         req.row, req.slots = -1, None
 
@@ -148,10 +184,11 @@ class Scheduler:
                              prefix_lens=torch.tensor([start]),
                              logit_indices=torch.empty(0, dtype=torch.int64))
 
-    def prefill_step(self, requests: Sequence[Request]) -> StepInputs:
-        """One packed extend of the questions of newly admitted requests; a logit row per stream."""
-        ids, positions, sids, rows, lasts, counts = [], [], [], [], [], []
-        offset = 0
+    def prefill_step(self, requests: Sequence[Request]) -> PlannedStep:
+        """One packed extend of the questions of newly admitted requests; a logit row per stream.
+        Building it starts the answers: every stream is live and its first token scheduled."""
+        ids, positions, sids, rows, lasts, counts, bases = [], [], [], [], [], [], []
+        offset = rows_out = 0
         for req in requests:
             layout, last = question_layout(req.doc_len, req.question_lens)
             ids.extend(i for s in req.streams for i in s.suffix_ids)
@@ -161,34 +198,54 @@ class Scheduler:
             lasts.append(last + offset)
             counts.append(layout.positions.shape[0])
             offset += counts[-1]
-        return StepInputs(
+            bases.append(rows_out)
+            rows_out += len(req.streams)
+        sampling = self._sampling(requests, [len(r.streams) for r in requests], 0)
+        inputs = StepInputs(
             kind="extend", input_ids=torch.tensor(ids, dtype=torch.int64),
             layout=StepLayout(torch.cat(positions), torch.cat(sids), torch.cat(rows)),
             qo_indptr=torch.tensor([0] + counts).cumsum(0),
             req_rows=torch.tensor([r.row for r in requests]),
             kv_start=torch.zeros(len(requests), dtype=torch.int64),
             prefix_lens=torch.tensor([r.doc_len for r in requests]),
-            logit_indices=torch.cat(lasts))
+            logit_indices=torch.cat(lasts), **self._doc_runs(requests, 0))
+        step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases,
+                           [np.arange(r.width) < len(r.streams) for r in requests])
+        for req, base in zip(requests, bases):
+            req.start_answers()
+            req.num_out[:len(req.streams)] += 1
+            req.pending_step, req.pending_row = step.uid, base
+        return step
 
     def decode_batch(self, cascade: bool) -> list[Request]:
-        """The running requests in step order (grouped by document for cascade)."""
+        """The running requests that have a stream to feed, in step order (grouped by document
+        for cascade). A request whose last tokens are all scheduled waits for them to be read."""
         if cascade:
             self.running.sort(key=lambda r: r.doc.uid)  # stable: arrival order within a document
-        return list(self.running)
+        return [r for r in self.running
+                if (r.live[0] and r.num_out[0] < r.max_new[0] if r.width == 1
+                    else r.schedulable().any())]
 
     def decode_step(self, requests: Sequence[Request], *, kind: str, cascade: bool,
-                    pad_to: int = 0) -> StepInputs:
-        """One token per stream of every request; logit rows = all B * P tokens.
+                    pad_to: int = 0, prev: PlannedStep | None = None) -> PlannedStep:
+        """One token per schedulable stream of every request; logit rows = all B * P tokens.
 
         pad_to > B appends dummy requests (row 0: sink slots only, nothing cached, every stream
         finished) so a step has a fixed shape for CUDA graphs; their logit rows are ignored.
+        `prev`: the step still in flight; streams whose last token it sampled take their input
+        from its device tokens (`StepInputs.input_src`) instead of the host.
+        Building the step advances each request's row, positions and sampling counters.
         """
         batch, width = len(requests), requests[0].width
         pad = max(0, pad_to - batch)
+        feed = [r.schedulable() for r in requests]
+        for req, mask in zip(requests, feed):
+            if req.prefix_len + int(mask.sum()) > req.doc_len + req.reserve_tokens:
+                raise RuntimeError(f"request row {req.row} would outgrow its KV reservation")
         prefix = torch.tensor([r.prefix_len for r in requests] + [0] * pad)
         dummy = [np.zeros(width, dtype=np.int64)] * pad
         next_pos = torch.from_numpy(np.stack([r.next_pos for r in requests] + dummy))
-        live = torch.from_numpy(np.stack([r.live for r in requests] + [d.astype(bool) for d in dummy]))
+        live = torch.from_numpy(np.stack(feed + [d.astype(bool) for d in dummy]))
         layout, _ = decode_layout(prefix, next_pos, live)
         tokens = (batch + pad) * width
         rows = [r.row for r in requests] + [self.table.DUMMY_ROW] * pad
@@ -198,25 +255,53 @@ class Scheduler:
             groups, first = [], 0
             for b in range(1, batch + 1):
                 if b == batch or requests[b].doc is not requests[first].doc:
-                    groups.append((first, b, requests[first].doc_len))
+                    doc = requests[first].doc
+                    groups.append((first, b, requests[first].doc_len, doc.start))
                     first = b
             if pad:
-                groups.append((batch, batch + pad, 0))  # the dummies' "document" is empty
+                groups.append((batch, batch + pad, 0, 0))  # the dummies' "document" is empty
             kv_start = torch.tensor([r.doc_len for r in requests] + [0] * pad)
-        return StepInputs(
+        input_src = None
+        if prev is not None and any(r.pending_step == prev.uid for r in requests):
+            lanes, none = np.arange(width), np.full(width, -1)
+            input_src = torch.from_numpy(np.concatenate(
+                [np.where(lanes < len(r.streams), r.pending_row + lanes, -1)
+                 if r.pending_step == prev.uid else none for r in requests] + [none] * pad))
+        inputs = StepInputs(
             kind=kind, input_ids=torch.from_numpy(np.concatenate([r.last_token for r in requests]
                                                                  + dummy)),
             layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
             req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
-            logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True)
+            logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True,
+            input_src=input_src, **self._doc_runs(requests, pad))
+        sampling = self._sampling(requests, None, pad * width)
+        step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling,
+                           list(range(0, batch * width, width)), feed)
+        for req, mask, base in zip(requests, feed, step.bases):
+            count = int(mask.sum())
+            req.prefix_len += count
+            req.next_pos += mask
+            req.num_out += mask
+            req.pending_step, req.pending_row = step.uid, base
+        return step
 
     @staticmethod
-    def sampling_batch(requests: Sequence[Request], prefill: bool, pad_rows: int = 0) -> SamplingBatch:
-        """Parameters of the step's logit rows (prefill: real streams only; decode: all B * P),
-        plus `pad_rows` greedy rows for dummy requests."""
+    def _doc_runs(requests: Sequence[Request], pad: int) -> dict[str, torch.Tensor]:
+        """doc_start / doc_len per request: the document's contiguous slot run (length 0 when
+        its slots are scattered, and for padding)."""
+        starts = [max(r.doc.start, 0) for r in requests] + [0] * pad
+        lens = [r.doc_len if r.doc.start >= 0 else 0 for r in requests] + [0] * pad
+        return {"doc_start": torch.tensor(starts), "doc_len": torch.tensor(lens)}
+
+    @staticmethod
+    def _sampling(requests: Sequence[Request], rows: list[int] | None, pad_rows: int) -> SamplingBatch:
+        """Parameters of the step's logit rows: the first rows[i] streams of request i (prefill)
+        or all P (decode, rows None), plus `pad_rows` greedy rows for dummy requests. The step
+        counter is each stream's scheduled token count before this step."""
+        counts = rows if rows is not None else [None] * len(requests)  # [:None]: every stream
+
         def cat(name: str, pad_value) -> torch.Tensor:
-            parts = [getattr(r, name)[:len(r.streams)] if prefill else getattr(r, name)
-                     for r in requests]
+            parts = [getattr(r, name)[:n] for r, n in zip(requests, counts)]
             parts.append(np.full(pad_rows, pad_value, dtype=parts[0].dtype))
             return torch.from_numpy(np.concatenate(parts))
         return SamplingBatch(temperature=cat("temperature", 0.0), top_p=cat("top_p", 1.0),
@@ -225,34 +310,26 @@ class Scheduler:
 
     # ---- after sampling --------------------------------------------------------------------
 
-    def postprocess(self, requests: Sequence[Request], tokens: list[int], *, prefill: bool,
-                    eos_ids: Sequence[int], decode: Callable[[list[int]], str],
-                    now: float) -> list[Stream]:
-        """Apply sampled tokens; return streams that finished; retire finished requests."""
+    def postprocess(self, step: PlannedStep, tokens: list[int], *, eos_ids: Sequence[int],
+                    decode: Callable[[list[int]], str], now: float) -> list[Stream]:
+        """Accept a step's sampled tokens; return streams that finished; retire finished requests.
+
+        A token fed to a stream that an earlier token had already finished (the engine builds
+        the next step before reading this one) is dropped, as is every token of a request that
+        has been retired meanwhile.
+        """
         finished: list[Stream] = []
-        offset = 0
-        for req in requests:
-            if prefill:
-                fed = list(range(len(req.streams)))
-                req.start_answers()
-                picks = tokens[offset:offset + len(fed)]
-                offset += len(fed)
-            elif req.width == 1:  # stock and cascade: skip numpy on one-element arrays (hot at B=256)
-                fed = [0] if req.live[0] else []
-                if fed:
-                    req.prefix_len += 1
-                    req.next_pos[0] += 1
-                picks = [tokens[offset]] if fed else []
-                offset += 1
+        for req, base, fed in zip(step.requests, step.bases, step.fed):
+            if req.row < 0:
+                continue
+            if req.pending_step == step.uid:
+                req.pending_step = -1  # its tokens are on the host now
+            if req.width == 1:  # stock and cascade: skip numpy on one-element arrays (hot at B=256)
+                picks = [0] if fed[0] and req.live[0] else []
             else:
-                live = req.live.copy()
-                fed = np.flatnonzero(live).tolist()
-                req.prefix_len += len(fed)
-                req.next_pos += live
-                picks = [tokens[offset + s] for s in fed]
-                offset += req.width
-            for s, token in zip(fed, picks):
-                if req.accept(s, token, eos_ids, decode, now):
+                picks = np.flatnonzero(fed[:req.width] & req.live).tolist()
+            for s in picks:
+                if req.accept(s, tokens[base + s], eos_ids, decode, now):
                     finished.append(req.streams[s])
             if req.is_finished:
                 self.release(req)
