@@ -147,3 +147,34 @@ def test_merge_partials_equals_attention_over_the_union() -> None:
     empty = torch.full((5,), float("-inf"))  # an empty part (document of 0 tokens) changes nothing
     out2, _ = merge_partials(torch.zeros(5, 4), empty, *part(0, 30))
     torch.testing.assert_close(out2, torch.softmax(scores, -1) @ values)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_cascade_question_prefill_equals_plain_extend(heads: int, kv_heads: int) -> None:
+    """Questions of rows 1, 2 (document A) and 3 (document B): the cascade split (each group's
+    question tokens against its document at once, the rest from kv_start = doc_len) equals the
+    plain extend over the whole row."""
+    s = Setup(heads, kv_heads, seed=20 + heads)
+    counts = [3, 4, 2]  # question tokens of rows 1, 2, 3 (one stream each)
+    rows, doc_lens = [1, 2, 3], [37, 37, 20]
+    positions = torch.cat([torch.arange(n) + d for n, d in zip(counts, doc_lens)])
+    layout = StepLayout(positions, torch.zeros(sum(counts), dtype=torch.int32), positions.clone())
+    q, k, v = s.new_qkv(sum(counts))
+    outs = {}
+    for cascade in (False, True):
+        step = StepInputs(kind="extend", input_ids=torch.zeros(sum(counts), dtype=torch.int64),
+                          layout=layout, qo_indptr=torch.tensor([0, 3, 7, 9]),
+                          req_rows=torch.tensor(rows),
+                          kv_start=torch.tensor(doc_lens if cascade else [0, 0, 0]),
+                          prefix_lens=torch.tensor(doc_lens), logit_indices=torch.tensor([2, 6, 8]),
+                          cascade_groups=[(0, 2, 37, 1), (2, 3, 20, 40)] if cascade else None)
+        _, meta = s.runner.prepare(step)
+        if cascade:  # the groups' rows count tokens in an extend step
+            assert meta.cascade.group_req_indptr.tolist() == [0, 7, 9]
+            assert meta.cascade.max_group_size == 7 and meta.cascade.contiguous
+        outs[cascade] = s.backend.forward(0, q, k, v, meta)
+    close(outs[True], outs[False].double())
+    # And the plain extend itself against the reference, for the last token of row 2.
+    keys, values, _ = s.row_kv(0, 2, 0, 37 + 4)
+    expected = reference(q[6], keys, values, torch.ones(len(keys), dtype=torch.bool), DIM ** -0.5)
+    close(outs[False][6], expected)

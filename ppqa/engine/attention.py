@@ -23,7 +23,9 @@ Kinds of step:
   A `cascade` decode step also carries `CascadeMetadata`: the document part of attention is
   computed once per group of requests sharing a document, the per-request part over
   row[kv_start : prefix_lens + 1] (kv_start = document length), and the two merged by
-  log-sum-exp.
+  log-sum-exp. A `cascade` question prefill is an extend step with `CascadeMetadata` whose
+  groups count tokens: every question token of a group meets the document in one tiled
+  product, and stages 1-2 run from kv_start = document length.
 
 The KV pool (`engine/kv_cache.py`, class `KVPool`) exposes `k_buffers[layer]` and `v_buffers[layer]`
 ([num_slots, num_kv_heads, head_dim], slot 0 a sink for padding) and `slot_sid` ([num_slots] int32).
@@ -47,10 +49,12 @@ import torch
 class CascadeMetadata:
     """Groups of decode requests that share a document (requests sorted so groups are contiguous)."""
 
-    group_req_indptr: torch.Tensor  # [G+1] int32: requests of group g are batch rows [indptr[g], indptr[g+1])
+    # [G+1] int32: group g's queries are batch rows [indptr[g], indptr[g+1]): its requests in a
+    # decode step, its requests' tokens in an extend step (cascade question prefill)
+    group_req_indptr: torch.Tensor
     doc_req_indices: torch.Tensor  # [G] int32: a req_to_token row holding the group's document
     doc_lens: torch.Tensor  # [G] int32: document tokens (the row prefix [0, doc_len) is the document)
-    max_group_size: int
+    max_group_size: int  # rows
     max_doc_len: int
     # [G] int32: group g's document is the slot run doc_starts[g] + i; meaningful when
     # `contiguous` (host bool: every group's document is one run), else kernels gather.

@@ -273,7 +273,7 @@ class Engine:
                     doc.ready = True
                     stats.prefilled_tokens += doc.length
                 if admitted:
-                    step = sched.prefill_step(admitted)
+                    step = sched.prefill_step(admitted, cascade=cascade)
                     stats.prefilled_tokens += step.inputs.num_tokens
                     finish(launch(step, None))
                     stats.prefill_s += time.perf_counter() - begin

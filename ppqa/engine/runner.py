@@ -89,8 +89,10 @@ class ModelRunner:
         parts += optional
         groups = step.cascade_groups
         if groups is not None:
-            parts += [torch.tensor([0] + [g[1] for g in groups]),
-                      step.req_rows[[g[0] for g in groups]],
+            # A group's batch rows: its requests (decode: one token each) or their tokens (extend).
+            ends = torch.tensor([0] + [g[1] for g in groups])
+            group_rows = ends if step.kind == "decode" else step.qo_indptr[ends]
+            parts += [group_rows, step.req_rows[[g[0] for g in groups]],
                       torch.tensor([g[2] for g in groups]),
                       torch.tensor([max(g[3], 0) for g in groups])]
         sizes = [p.shape[0] for p in parts]
@@ -121,7 +123,7 @@ class ModelRunner:
             cascade_meta = CascadeMetadata(
                 group_req_indptr=indptr.to(torch.int32), doc_req_indices=doc_rows.to(torch.int32),
                 doc_lens=doc_lens.to(torch.int32),
-                max_group_size=max(g[1] - g[0] for g in groups),
+                max_group_size=int(group_rows.diff().max()),
                 max_doc_len=max(g[2] for g in groups),
                 doc_starts=doc_starts.to(torch.int32),
                 contiguous=all(g[3] >= 0 or g[2] == 0 for g in groups))

@@ -184,9 +184,13 @@ class Scheduler:
                              prefix_lens=torch.tensor([start]),
                              logit_indices=torch.empty(0, dtype=torch.int64))
 
-    def prefill_step(self, requests: Sequence[Request]) -> PlannedStep:
+    def prefill_step(self, requests: Sequence[Request], cascade: bool = False) -> PlannedStep:
         """One packed extend of the questions of newly admitted requests; a logit row per stream.
-        Building it starts the answers: every stream is live and its first token scheduled."""
+        Building it starts the answers: every stream is live and its first token scheduled.
+        cascade: requests grouped by document, each group's question tokens meet the document
+        together (CascadeMetadata) and the per-request part starts after the document."""
+        if cascade:
+            requests = sorted(requests, key=lambda r: r.doc.uid)
         ids, positions, sids, rows, lasts, counts, bases = [], [], [], [], [], [], []
         offset = rows_out = 0
         for req in requests:
@@ -206,9 +210,10 @@ class Scheduler:
             layout=StepLayout(torch.cat(positions), torch.cat(sids), torch.cat(rows)),
             qo_indptr=torch.tensor([0] + counts).cumsum(0),
             req_rows=torch.tensor([r.row for r in requests]),
-            kv_start=torch.zeros(len(requests), dtype=torch.int64),
+            kv_start=torch.tensor([r.doc_len if cascade else 0 for r in requests]),
             prefix_lens=torch.tensor([r.doc_len for r in requests]),
-            logit_indices=torch.cat(lasts), **self._doc_runs(requests, 0))
+            logit_indices=torch.cat(lasts), **self._doc_runs(requests, 0),
+            cascade_groups=self._groups(requests, 0) if cascade else None)
         step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases,
                            [np.arange(r.width) < len(r.streams) for r in requests])
         for req, base in zip(requests, bases):
@@ -252,14 +257,7 @@ class Scheduler:
         groups = None
         kv_start = torch.zeros(batch + pad, dtype=torch.int64)
         if cascade:
-            groups, first = [], 0
-            for b in range(1, batch + 1):
-                if b == batch or requests[b].doc is not requests[first].doc:
-                    doc = requests[first].doc
-                    groups.append((first, b, requests[first].doc_len, doc.start))
-                    first = b
-            if pad:
-                groups.append((batch, batch + pad, 0, 0))  # the dummies' "document" is empty
+            groups = self._groups(requests, pad)
             kv_start = torch.tensor([r.doc_len for r in requests] + [0] * pad)
         input_src = None
         if prev is not None and any(r.pending_step == prev.uid for r in requests):
@@ -284,6 +282,19 @@ class Scheduler:
             req.num_out += mask
             req.pending_step, req.pending_row = step.uid, base
         return step
+
+    @staticmethod
+    def _groups(requests: Sequence[Request], pad: int) -> list[tuple[int, int, int, int]]:
+        """Cascade groups of requests (sorted by document): (first, end, doc_len, doc start)."""
+        groups, first, batch = [], 0, len(requests)
+        for b in range(1, batch + 1):
+            if b == batch or requests[b].doc is not requests[first].doc:
+                doc = requests[first].doc
+                groups.append((first, b, doc.length, doc.start))
+                first = b
+        if pad:
+            groups.append((batch, batch + pad, 0, 0))  # the dummies' "document" is empty
+        return groups
 
     @staticmethod
     def _doc_runs(requests: Sequence[Request], pad: int) -> dict[str, torch.Tensor]:

@@ -11,7 +11,9 @@ step's new slots) turns the `ForwardMetadata` into a plan that every layer reuse
   - cascade decode: per group of requests sharing a document, the document's slot runs; per
     request, its suffix runs [doc_len, prefix_len + 1). The document part is one matrix-matrix
     product of the group's queries with the document's keys, the suffix part is per request, and
-    the two are merged by log-sum-exp (`merge_partials`), literally as a cascade kernel would.
+    the two are merged by log-sum-exp (`merge_partials`), literally as a cascade kernel would;
+  - cascade extend (question prefill): the same split, the group's rows being question tokens
+    and the per-request part the masked extend from kv_start = doc_len.
 Scores and softmax are computed in float32 whatever the model dtype. Each layer's `forward` first
 writes the step's K/V into the pool at `out_slots`.
 """
@@ -66,6 +68,21 @@ def attend_runs(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, runs:
     return out, lse.reshape(kv_heads, group, n).permute(2, 0, 1).reshape(n, heads)
 
 
+def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, H, D] over keys/values [m, KVH, D] under mask [n, m]: (out [n, H, D] float32,
+    lse [n, H]; -inf and out 0 for a row that sees no key)."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    kf = keys.float().repeat_interleave(heads // kv_heads, dim=1)  # [m, H, D]
+    vf = values.float().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, n]
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    out = torch.einsum("hnm,mhd->nhd", probs, vf)
+    return out, lse.transpose(0, 1)
+
+
 def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
                    lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two attention results over disjoint key sets: out [..., D], lse [...]."""
@@ -90,6 +107,14 @@ class TorchBackend:
         rows = meta.req_indices.tolist()
         kv_start, prefix = meta.kv_start.tolist(), meta.prefix_lens.tolist()
         table = meta.req_to_token
+        groups = []  # cascade: (first batch row, end, the document's slot runs) per group
+        if meta.cascade is not None:
+            casc = meta.cascade
+            group_rows = casc.group_req_indptr.tolist()
+            for g, doc_row in enumerate(casc.doc_req_indices.tolist()):
+                doc_len = int(casc.doc_lens[g])
+                groups.append((group_rows[g], group_rows[g + 1],
+                               slot_runs(table[doc_row, :doc_len])))
         if meta.kind == "extend":
             indptr = meta.qo_indptr.tolist()
             plan = []
@@ -97,17 +122,10 @@ class TorchBackend:
                 slots = table[row, kv_start[b]:prefix[b]].long()
                 mask = extend_mask(self.pool.slot_sid[slots], meta.q_sid[indptr[b]:indptr[b + 1]])
                 plan.append((indptr[b], indptr[b + 1], slot_runs(slots), mask))
-            self._plan = {"extend": plan}
+            self._plan = {"extend": plan, "groups": groups}
         else:
             # Decode: the new token's slot is already in the row at prefix_len (written first).
             runs = [slot_runs(table[row, kv_start[b]:prefix[b] + 1]) for b, row in enumerate(rows)]
-            groups = []
-            if meta.cascade is not None:
-                casc = meta.cascade
-                indptr = casc.group_req_indptr.tolist()
-                for g, doc_row in enumerate(casc.doc_req_indices.tolist()):
-                    doc_len = int(casc.doc_lens[g])
-                    groups.append((indptr[g], indptr[g + 1], slot_runs(table[doc_row, :doc_len])))
             self._plan = {"runs": runs, "groups": groups}
         self._meta = meta
 
@@ -128,15 +146,25 @@ class TorchBackend:
 
     def _extend(self, q, k, v, k_buf, v_buf) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        groups = self._plan["groups"]
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if groups else None
         for start, end, runs, mask in self._plan["extend"]:
             # Runs of consecutive slots copy as blocks, far faster than a per-slot gather.
             keys = torch.cat([k_buf[a:b] for a, b in runs] + [k[start:end].to(k_buf.dtype)]).float()
             values = torch.cat([v_buf[a:b] for a, b in runs] + [v[start:end].to(v_buf.dtype)]).float()
+            if lse is not None:
+                out[start:end], lse[start:end] = attend_masked(q[start:end], keys, values, mask,
+                                                               self.sm_scale)
+                continue
             # [1, heads, tokens, dim] layout; GQA heads share their KV head inside SDPA.
             out[start:end] = F.scaled_dot_product_attention(
                 q[start:end].float().transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0), attn_mask=mask.unsqueeze(0).unsqueeze(0),
                 scale=self.sm_scale, enable_gqa=True)[0].transpose(0, 1)
+        for a, b, doc_runs in groups:
+            # Cascade prefill: every question token of the group against the document at once.
+            doc_out, doc_lse = attend_runs(q[a:b], k_buf, v_buf, doc_runs, self.sm_scale)
+            out[a:b], lse[a:b] = merge_partials(doc_out, doc_lse, out[a:b], lse[a:b])
         return out
 
     def _decode(self, q, k_buf, v_buf) -> torch.Tensor:

@@ -9,7 +9,9 @@ batch shape, the metadata's maxima and the SM count. Per layer, `forward`:
      "decode" (stock): `decode_attention` over row[kv_start, prefix_len + 1);
      "decode" with meta.cascade: the suffix row[doc_len, prefix_len + 1) per request
      (decode kernel) and the group's document (shared-prefix kernel) each write partial states
-     into one preallocated buffer, which one merge launch reduces to the output.
+     into one preallocated buffer, which one merge launch reduces to the output;
+     "extend" with meta.cascade (cascade question prefill): the shared-prefix kernel over the
+     group's question tokens, the extend kernel from kv_start, merged by their lse.
 Partial states live in a `PartialScratch` allocated once, so split launches allocate nothing
 and keep fixed addresses (CUDA graph capture); splits are capped to what it holds.
 Under TRITON_INTERPRET=1 the same code runs on CPU tensors (slowly), which the tests use.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ppqa.engine.attention import ForwardMetadata
-from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits
+from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits, shared_prefix_attention
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
 from ppqa.kernels.kv_store import store_kv
@@ -91,7 +93,9 @@ class TritonBackend:
             self.init_forward_metadata(meta)
         plan = self._plan
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if meta.kind == "extend":
+        if meta.kind == "extend" and meta.cascade is not None:
+            self._cascade_extend(q, k, v, o, k_buf, v_buf, meta, plan)
+        elif meta.kind == "extend":
             extend_attention(q, k, v, o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
                              meta.kv_start, meta.prefix_lens, meta.qo_indptr, meta.q_sid,
                              self.pool.slot_sid, meta.max_extend_len, self.sm_scale,
@@ -103,6 +107,30 @@ class TritonBackend:
         else:
             self._cascade(q, o, k_buf, v_buf, meta, plan)
         return o
+
+    def _cascade_extend(self, q, k, v, o, k_buf, v_buf, meta: ForwardMetadata,
+                        plan: StepPlan) -> None:
+        """Cascade question prefill (eager, not graphed): each group's question tokens against
+        its document in one shared-prefix launch, the stream-masked extend from kv_start (the
+        document's end), both in float32 with their lse, merged here."""
+        casc = meta.cascade
+        shape, lse_shape = q.shape, q.shape[:2]
+        doc_o = torch.empty(shape, dtype=torch.float32, device=q.device)
+        doc_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        shared_prefix_attention(q, doc_o, doc_lse, k_buf, v_buf, meta.req_to_token,
+                                casc.group_req_indptr, casc.doc_req_indices, casc.doc_lens,
+                                casc.max_group_size, casc.max_doc_len, self.sm_scale,
+                                scratch=self.scratch)
+        own_o = torch.empty(shape, dtype=torch.float32, device=q.device)
+        own_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        extend_attention(q, k, v, own_o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
+                         meta.kv_start, meta.prefix_lens, meta.qo_indptr, meta.q_sid,
+                         self.pool.slot_sid, meta.max_extend_len, self.sm_scale, lse=own_lse,
+                         num_splits=plan.splits, scratch=self.scratch)
+        lse = torch.logaddexp(doc_lse, own_lse)
+        safe = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
+        o.copy_(doc_o * torch.exp(doc_lse.unsqueeze(-1) - safe)
+                + own_o * torch.exp(own_lse.unsqueeze(-1) - safe))
 
     def _cascade(self, q, o, k_buf, v_buf, meta: ForwardMetadata, plan: StepPlan) -> None:
         """Suffix states [0, splits) and document states [splits, splits + prefix_splits) of
