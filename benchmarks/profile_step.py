@@ -3,7 +3,7 @@
 For each mode, on one engine and one seeded workload (`ppqa.bench.make_workload`):
   1. an untimed run that caches the document and captures the CUDA graphs;
   2. a run with the engine's host phases wrapped in timers (step building, `prepare`, graph
-     replay enqueue, sampling parameters, the wait for the sampled tokens, postprocess);
+     replay enqueue, the wait for a step's sampled tokens, postprocess);
   3. the captured decode graph replayed back to back: the GPU time of one step, no host;
   4. torch.profiler over a few eager steps: device time per kernel, grouped.
 Prints a table per mode and writes everything to --out as JSON.
@@ -31,7 +31,7 @@ from ppqa.engine.runner import ModelRunner
 from ppqa.engine.scheduler import Scheduler
 
 HOST_PHASES = {
-    Scheduler: ("decode_step", "sampling_batch", "postprocess", "prefill_step", "admit"),
+    Scheduler: ("decode_step", "postprocess", "prefill_step", "admit"),
     ModelRunner: ("prepare",),
     GraphCache: ("run",),
 }
@@ -50,7 +50,7 @@ class PhaseTimer:
         self.calls: dict[str, int] = defaultdict(int)
         self._saved: list[tuple[object, str, object]] = []
 
-    def wrap(self, owner, name: str, label: str | None = None, sync_after: bool = False) -> None:
+    def wrap(self, owner, name: str, label: str | None = None) -> None:
         raw = inspect.getattr_static(owner, name)
         original = getattr(owner, name)
         label = label or f"{getattr(owner, '__name__', 'fn')}.{name}"
@@ -60,10 +60,6 @@ class PhaseTimer:
             out = original(*args, **kwargs)
             self.totals[label] += time.perf_counter() - t0
             self.calls[label] += 1
-            if sync_after:  # the wait for the GPU, timed on its own
-                t1 = time.perf_counter()
-                sync()
-                self.totals["gpu wait (after sample)"] += time.perf_counter() - t1
             return out
 
         self._saved.append((owner, name, raw))
@@ -117,13 +113,16 @@ def profile_kernels(engine: Engine, document: str, questions: list[str], mode: s
         full = _kernel_times(engine, document, questions, mode, streams, 1 + steps)
     finally:
         runner.graphs = graphs
+    prefill_top = sorted(base.items(), key=lambda kv: -kv[1])[:12]
     per_kernel = {n: (us - base.get(n, 0.0)) / steps for n, us in full.items()}
     per_cat: dict[str, float] = defaultdict(float)
     for name, us in per_kernel.items():
         per_cat[kernel_category(name)] += us
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
     return {"steps_profiled": steps, "total_us_per_step": sum(per_kernel.values()),
-            "categories_us": dict(per_cat), "top_kernels_us": [[n[:120], us] for n, us in top]}
+            "categories_us": dict(per_cat), "top_kernels_us": [[n[:120], us] for n, us in top],
+            "prefill_us": sum(base.values()),
+            "prefill_top_kernels_us": [[n[:120], us] for n, us in prefill_top]}
 
 
 def replay_time(engine: Engine, repeats: int = 20) -> dict[str, float]:
@@ -189,7 +188,8 @@ def main() -> None:
         for owner, names in HOST_PHASES.items():
             for name in names:
                 timer.wrap(owner, name, f"{owner.__name__}.{name}")
-        timer.wrap(engine_module, "sample", "sample (enqueue)", sync_after=True)
+        timer.wrap(engine_module, "sample", "sample (enqueue)")
+        timer.wrap(engine_module._Launched, "read", "read tokens (waits for the GPU)")
         sync()
         t1 = time.perf_counter()
         try:
@@ -223,6 +223,9 @@ def main() -> None:
             print(f"   kernels {cat:28s} {us / 1e3:8.3f} ms/step")
         for name, us in prof["top_kernels_us"][:12]:
             print(f"     {us / 1e3:8.3f} ms/step  {name[:90]}")
+        print(f"   prefill (question prefill + 1 token, eager): {prof['prefill_us'] / 1e3:.1f} ms")
+        for name, us in prof["prefill_top_kernels_us"][:6]:
+            print(f"     {us / 1e3:8.3f} ms  {name[:90]}")
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)
     print("\nfloor:", {k: round(v, 3) for k, v in results["floor"].items()})
