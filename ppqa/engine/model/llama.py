@@ -3,8 +3,14 @@
 Built on the meta device by `build_model`, materialized once on the target device and filled from
 the loader's stream of Hugging Face-named tensors (`load_weights`): q/k/v are fused into one
 `qkv_proj` matrix and gate/up into one `gate_up_proj` at load time, one copy per tensor, no second
-model in memory. The model knows nothing about modes or kernels: every attention layer hands its
-q/k/v and the step's `ForwardMetadata` to the attention backend, which owns the KV pool.
+model in memory. The model knows nothing about modes or attention kernels: every attention layer
+hands its q/k/v and the step's `ForwardMetadata` to the attention backend, which owns the KV pool.
+
+With `fused_kernels` (the default on a CUDA device) RMSNorm with its residual add, SiLU * up and
+the rotary embedding run as one Triton kernel each (`ppqa.kernels.fused`) instead of a handful of
+torch kernels; elsewhere the torch code below runs, and CPU tests compare it with transformers.
+The layers pass the residual stream along beside their output (`hidden, residual`), so the add
+that closes one sublayer is fused into the norm that opens the next.
 
 Data flow of a step: runner -> `forward(input_ids, positions, meta, backend)` -> hidden states
 [T, hidden] -> runner picks the rows it needs -> `compute_logits` -> sampler.
@@ -22,14 +28,34 @@ from ppqa.engine.attention import AttentionBackend, ForwardMetadata
 from ppqa.engine.model.config import ModelConfig
 from ppqa.engine.model.rope import RotaryEmbedding
 
+try:
+    from ppqa.kernels import fused
+except ModuleNotFoundError as e:  # triton is installed on Linux x86-64 only; torch needs none
+    if e.name != "triton":
+        raise
+    fused = None
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, fused_kernels: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.fused_kernels = fused_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); given a residual: (norm(x + residual), x + residual)."""
+        if self.fused_kernels:
+            if residual is None:
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalized in float32, as Hugging Face does, so bf16 runs match the reference closely.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -37,9 +63,11 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype,
+                 fused_kernels: bool) -> None:
         super().__init__()
         self.layer = layer
+        self.fused_kernels = fused_kernels
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
@@ -55,47 +83,67 @@ class LlamaAttention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        if self.fused_kernels:
+            q, k = fused.apply_rope(q, k, positions, rope.cos, rope.sin)
+        else:
+            q, k = rope(positions, q, k)
         out = backend.forward(self.layer, q, k, v, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, fused_kernels: bool) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
+        self.fused_kernels = fused_kernels
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
                                       dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
                                    dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_kernels:
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype,
+                 fused_kernels: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps, dtype, fused_kernels)
+        self.self_attn = LlamaAttention(config, layer, dtype, fused_kernels)
+        self.post_attention_layernorm = RMSNorm(size, eps, dtype, fused_kernels)
+        self.mlp = LlamaMLP(config, dtype, fused_kernels)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: ForwardMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: RotaryEmbedding, meta: ForwardMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream entering the layer is hidden + residual (the first layer gets residual None:
+        all of it is in hidden); returns the pair whose sum is the stream leaving it."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rope, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 fused_kernels: bool = False) -> None:
         super().__init__()
+        if fused_kernels and fused is None:
+            raise ValueError("fused_kernels needs triton, which is not installed")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, fused_kernels)
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused_kernels)
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
         self.rope = RotaryEmbedding(config)
@@ -103,10 +151,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (before the final norm)."""
-        x = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rope, meta, backend)
-        return x
+            hidden, residual = layer(hidden, residual, positions, self.rope, meta, backend)
+        return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> float32 logits [R, vocab]."""
@@ -116,10 +164,15 @@ class LlamaModel(nn.Module):
 
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], *,
-                device: torch.device, dtype: torch.dtype) -> LlamaModel:
-    """A model on `device` in `dtype`, filled from the loader's (name, tensor) stream."""
+                device: torch.device, dtype: torch.dtype,
+                fused_kernels: bool | None = None) -> LlamaModel:
+    """A model on `device` in `dtype`, filled from the loader's (name, tensor) stream.
+    `fused_kernels` None: the Triton kernels on a CUDA device, torch code elsewhere (tests force
+    the kernels on the CPU, where they run under Triton's interpreter)."""
+    if fused_kernels is None:
+        fused_kernels = torch.device(device).type == "cuda"
     with torch.device("meta"):
-        model = LlamaModel(config, dtype)
+        model = LlamaModel(config, dtype, fused_kernels)
     model.to_empty(device=device)
     load_weights(model, weights)
     model.rope.build(device)
