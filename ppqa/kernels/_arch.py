@@ -19,6 +19,7 @@ import triton.language as tl
 INTERPRETER_SMS = 4  # small, so the CPU tests split rows the way a GPU would at large sizes
 MIN_SPLIT_TOKENS = 256  # a split must read at least this many keys to pay for its reduction
 MAX_SPLITS = 64
+WAVE_FILL = 0.9  # wave_splits: the share of the last wave's SM slots that must hold a program
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,30 @@ def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
     return Tiles(min(want_m, 64), 32, 4, 2)
 
 
+def contig_prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
+    """Tiles for the shared-prefix kernel when the document's slots are one run (doc_starts
+    given): a FlashAttention-style forward whose K/V addresses are affine in the loop index, so
+    Triton's pipeliner turns the loads into cp.async copies num_stages - 1 tiles ahead.
+
+    sm_90, bf16/fp16: 128 query rows x 64 keys, 8 warps (two warpgroups of 64 rows, each on
+    wgmma), 3 stages: the Hopper forward config of Triton's fused-attention tutorial. With
+    triton 3.6 (compile_check.py): 140 registers MHA / 168 GQA, no spills, 128 KiB of shared
+    memory (Q + 3 K/V stages), so one CTA per SM, which `wave_splits` is told. A group of <= 64
+    rows takes 64 rows x 4 warps (164 / 180 registers, 112 KiB) rather than computing padding.
+    Not yet measured on the H200: `benchmarks/kernels.py --sweep-prefix`.
+    fp32 (exact "ieee" dots, tests only): 32 x 32 x 8 warps, 80 registers (16 x 32 x 4 warps,
+    the gather kernel's fp32 tile, spills ~300 bytes).
+    """
+    want_m = max(16, triton.next_power_of_2(max(rows, 1)))
+    if not is_gpu(device):
+        return Tiles(min(want_m, 128), 128, 4, 1)
+    if dtype == torch.float32:
+        return Tiles(32, 32, 8, 2)
+    if rows <= 64:
+        return Tiles(64, 64, 4, 3)
+    return Tiles(128, 64, 8, 3)
+
+
 def choose_splits(
     programs: int, max_keys: int, device: torch.device, split_cap: int = MAX_SPLITS
 ) -> int:
@@ -126,6 +151,32 @@ def choose_splits(
     splits = triton.cdiv(target, max(programs, 1))
     splits = min(splits, triton.cdiv(max_keys, MIN_SPLIT_TOKENS), split_cap, MAX_SPLITS)
     return max(1, splits)
+
+
+def wave_splits(
+    programs: int, max_keys: int, device: torch.device, split_cap: int = MAX_SPLITS,
+    ctas_per_sm: int = 1,
+) -> int:
+    """Fewest pieces to cut each KV row into so that `programs` x pieces fills whole waves of
+    the GPU to at least WAVE_FILL; else the count with the best fill.
+
+    For compute-bound kernels of equal work per program (the contiguous shared-prefix kernel):
+    time ~ waves x work per program, so 64 programs on 132 SMs run best as 2 splits (one wave
+    of 128), not as choose_splits' 5 (320 programs in 3 waves, 81% full). Fewer splits at equal
+    fill: each split adds a float32 partial state per query row to write and merge. Host-side
+    and from maxima only, like choose_splits; each piece reads >= MIN_SPLIT_TOKENS keys.
+    """
+    slots = num_sms(device) * ctas_per_sm
+    most = max(1, min(split_cap, MAX_SPLITS, triton.cdiv(max_keys, MIN_SPLIT_TOKENS)))
+    best, best_fill = 1, 0.0
+    for splits in range(1, most + 1):
+        launched = max(programs, 1) * splits
+        fill = launched / (triton.cdiv(launched, slots) * slots)
+        if fill >= WAVE_FILL:
+            return splits
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    return best
 
 
 def kernel_dtypes(dtype: torch.dtype, device: torch.device):

@@ -10,6 +10,11 @@ matrix-matrix product (tl.dot), instead of one matrix-vector product per request
 document piece run together and share it through L2. The document is split along its length
 so that even a few heads x tiles fill the GPU; each split writes a partial state.
 
+Contiguous documents (doc_starts given, group g's document = slots doc_starts[g] + i): a
+constexpr variant reads K/V at affine addresses, without req_to_token, so Triton's pipeliner
+issues them as async copies stages ahead; it is a plain FlashAttention forward, with its own
+tiles (`_arch.contig_prefix_tiles`) and a split count that fills whole waves (`wave_splits`).
+
 The decode step's suffix (row[doc_len : seq_len] per request) goes through decode_attention,
 and the partial states of both are combined by log-sum-exp (`merge_partials`; the backend
 writes both into one buffer and merges once).
@@ -32,13 +37,13 @@ from ppqa.kernels.merge import PartialScratch, merge_partials, partial_buffers, 
 @triton.jit
 def _prefix_kernel(
     Q, Part_o, Part_lse,
-    K_pool, V_pool, Req_to_token, Group_indptr, Doc_req, Doc_lens,
+    K_pool, V_pool, Req_to_token, Group_indptr, Doc_req, Doc_lens, Doc_starts,
     scale_log2, state_offset, num_splits,
     stride_qt, stride_qh,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
     stride_pool_s, stride_pool_h, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CONTIG: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
@@ -59,7 +64,6 @@ def _prefix_kernel(
     q = tl.load(Q + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
 
-    doc = tl.load(Doc_req + g).to(tl.int64)
     doc_len = tl.load(Doc_lens + g)
     chunk = tl.cdiv(tl.cdiv(doc_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -70,18 +74,36 @@ def _prefix_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_head_off = kvh * stride_pool_h
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        c_ok = cols < hi
-        slots = tl.load(Req_to_token + doc * stride_r2t + cols, mask=c_ok, other=0)
+    if CONTIG:
+        slot0 = tl.load(Doc_starts + g)
         if IDX64:
-            slots = slots.to(tl.int64)
-        kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
-        kv_mask = c_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
-        v = tl.load(V_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
-        s = tl.where(c_ok[None, :], tile_scores(q, k, scale_log2, True, PREC), float("-inf"))
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
+            slot0 = slot0.to(tl.int64)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            c_ok = cols < hi
+            slots = slot0 + cols
+            # K transposed ([D, N]) feeds tl.dot as its B operand without a layout change.
+            k_t = tl.load(K_pool + slots[None, :] * stride_pool_s + kv_head_off + d[:, None],
+                          mask=c_ok[None, :] & d_ok[:, None], other=0.0).to(DOT_DT)
+            v = tl.load(V_pool + slots[:, None] * stride_pool_s + kv_head_off + d[None, :],
+                        mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
+            s = tl.dot(q, k_t, input_precision=PREC) * scale_log2
+            s = tl.where(c_ok[None, :], s, float("-inf"))
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
+    else:
+        doc = tl.load(Doc_req + g).to(tl.int64)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            c_ok = cols < hi
+            slots = tl.load(Req_to_token + doc * stride_r2t + cols, mask=c_ok, other=0)
+            if IDX64:
+                slots = slots.to(tl.int64)
+            kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
+            kv_mask = c_ok[:, None] & d_ok[None, :]
+            k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
+            v = tl.load(V_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
+            s = tl.where(c_ok[None, :], tile_scores(q, k, scale_log2, True, PREC), float("-inf"))
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
 
     write_rows(
         acc, m_i, l_i, tok, head, row_ok, state_offset + split,
@@ -92,10 +114,11 @@ def _prefix_kernel(
     )
 
 
-def _tiling(device, dtype, group: int, max_group_size: int,
-            tiles: _arch.Tiles | None = None) -> tuple[_arch.Tiles, int, int]:
+def _tiling(device, dtype, group: int, max_group_size: int, tiles: _arch.Tiles | None = None,
+            contiguous: bool = False) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per group and KV head)."""
-    tiles = tiles or _arch.prefix_tiles(device, dtype, max_group_size * group)
+    choose = _arch.contig_prefix_tiles if contiguous else _arch.prefix_tiles
+    tiles = tiles or choose(device, dtype, max_group_size * group)
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     return tiles, block_m, triton.cdiv(max(max_group_size, 1), block_m // group)
 
@@ -103,35 +126,47 @@ def _tiling(device, dtype, group: int, max_group_size: int,
 def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_heads: int,
                   num_kv_heads: int, head_dim: int, num_groups: int, max_group_size: int,
                   max_doc_len: int, scratch: PartialScratch | None = None,
-                  reserved_states: int = 0) -> int:
+                  reserved_states: int = 0, contiguous: bool = False) -> int:
     """Document splits for a step; host-side, from the cascade metadata's maxima.
-    reserved_states: scratch states already promised to the suffix's decode splits."""
-    _, _, m_tiles = _tiling(device, dtype, num_heads // num_kv_heads, max_group_size)
+    reserved_states: scratch states already promised to the suffix's decode splits.
+    contiguous: the launch will pass doc_starts (its tiles and a wave-filling split count)."""
+    tiles, _, m_tiles = _tiling(device, dtype, num_heads // num_kv_heads, max_group_size,
+                                contiguous=contiguous)
     cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
     cap = max(1, cap - reserved_states)
-    return _arch.choose_splits(m_tiles * num_kv_heads * num_groups, max_doc_len, device, cap)
+    programs = m_tiles * num_kv_heads * num_groups
+    if contiguous:
+        return _arch.wave_splits(programs, max_doc_len, device, cap,
+                                 ctas_per_sm=1 if tiles.num_warps >= 8 else 2)
+    return _arch.choose_splits(programs, max_doc_len, device, cap)
 
 
 def launch_shared_prefix(
     q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
     max_group_size: int, sm_scale: float, num_splits: int, part_o, part_lse,
     state_offset: int = 0, tiles: _arch.Tiles | None = None,
+    doc_starts: torch.Tensor | None = None,
 ) -> None:
-    """Partial states of the document part into part_o[:, :, state_offset : +num_splits]."""
+    """Partial states of the document part into part_o[:, :, state_offset : +num_splits].
+    doc_starts [G] int32: group g's document is the slots doc_starts[g] + i, i < doc_lens[g]
+    (read at affine addresses, req_to_token untouched); None: gathered through req_to_token."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    tiles, block_m, m_tiles = _tiling(q.device, q.dtype, group, max_group_size, tiles)
+    contiguous = doc_starts is not None
+    tiles, block_m, m_tiles = _tiling(q.device, q.dtype, group, max_group_size, tiles,
+                                      contiguous)
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
         q, part_o, part_lse,
         k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
+        doc_starts if contiguous else doc_lens,
         sm_scale * math.log2(math.e), state_offset, num_splits,
         q.stride(0), q.stride(1), *partial_strides(part_o, part_lse, True),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, CONTIG=contiguous,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -141,19 +176,22 @@ def shared_prefix_attention(
     q, o, lse, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
     max_group_size: int, max_doc_len: int, sm_scale: float,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
+    doc_starts: torch.Tensor | None = None, tiles: _arch.Tiles | None = None,
 ) -> int:
     """Writes o [B, Hq, D] and lse [B, Hq] (natural log) of each request's query against its
-    group's document only. q [B, Hq, D], one decode token per request. Returns the splits."""
+    group's document only. q [B, Hq, D], one decode token per request. Returns the splits.
+    doc_starts: as launch_shared_prefix."""
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return 0
     if num_splits is None:
         num_splits = prefix_splits(q.device, q.dtype, batch, num_heads, k_pool.shape[1],
                                    head_dim, doc_req_indices.shape[0], max_group_size,
-                                   max_doc_len, scratch)
+                                   max_doc_len, scratch, contiguous=doc_starts is not None)
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_shared_prefix(q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices,
-                         doc_lens, max_group_size, sm_scale, num_splits, part_o, part_lse)
+                         doc_lens, max_group_size, sm_scale, num_splits, part_o, part_lse,
+                         tiles=tiles, doc_starts=doc_starts)
     merge_partials(part_o, part_lse, o, lse)
     return num_splits
 

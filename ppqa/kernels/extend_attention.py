@@ -13,6 +13,12 @@ keeps the loop pipelinable. When the grid is too small to fill the GPU (decode s
 requests, P tokens each), stage 1 is cut into splits along the row (flash-decoding); each split
 writes a partial state and `merge_partials` combines them. The last split also runs stage 2.
 Every grid dimension depends only on (B, heads, max tiles, splits); real lengths come from tensors.
+
+Contiguous documents (doc_start/doc_len given): a request's document usually sits in one run of
+slots (the allocator is first-fit over runs) and every document slot has sid -1. Stage 1 then
+reads row positions [0, doc_len) as slots doc_start + i, with no req_to_token or slot_sid load:
+addresses affine in the loop index, which Triton's pipeliner turns into async copies; only the
+rest of the row (the questions and answers) goes through the gather loop.
 """
 
 from __future__ import annotations
@@ -32,9 +38,21 @@ from ppqa.kernels.merge import (
 
 
 @triton.jit
+def _load_kv(K_pool, V_pool, slots, c_ok, kv_head_off, d, d_ok, stride_pool_s,
+             DOT_DT: tl.constexpr):
+    """One key tile: K transposed ([D, N], so it feeds tl.dot without a layout change), V [N, D]."""
+    k_t = tl.load(K_pool + slots[None, :] * stride_pool_s + kv_head_off + d[:, None],
+                  mask=c_ok[None, :] & d_ok[:, None], other=0.0).to(DOT_DT)
+    v = tl.load(V_pool + slots[:, None] * stride_pool_s + kv_head_off + d[None, :],
+                mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
+    return k_t, v
+
+
+@triton.jit
 def _extend_kernel(
     Q, K_new, V_new, O, Lse, Part_o, Part_lse,
     K_pool, V_pool, Req_to_token, Req_idx, Kv_start, Prefix_lens, Qo_indptr, Q_sid, Slot_sid,
+    Doc_start, Doc_len,
     scale_log2, num_m_tiles, state_offset, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh,
@@ -42,7 +60,7 @@ def _extend_kernel(
     stride_pool_s, stride_pool_h, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_DOC: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -82,7 +100,23 @@ def _extend_kernel(
     hi = tl.minimum(lo + chunk, kv1)
     hi = tl.where(live, hi, lo)
     kv_head_off = kvh * stride_pool_h
-    for start in range(lo, hi, BLOCK_N):
+    gather_lo = lo
+    if HAS_DOC:
+        # The document piece [lo, min(hi, doc_len)): slots doc_start + i, every key visible.
+        doc_hi = tl.minimum(hi, tl.load(Doc_len + b))
+        doc_slot0 = tl.load(Doc_start + b)
+        if IDX64:
+            doc_slot0 = doc_slot0.to(tl.int64)
+        for start in range(lo, doc_hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            c_ok = cols < doc_hi
+            k_t, v = _load_kv(K_pool, V_pool, doc_slot0 + cols, c_ok, kv_head_off, d, d_ok,
+                              stride_pool_s, DOT_DT)
+            s = tl.dot(q, k_t, input_precision=PREC) * scale_log2
+            s = tl.where(c_ok[None, :], s, float("-inf"))
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
+        gather_lo = tl.maximum(lo, doc_hi)
+    for start in range(gather_lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         c_ok = cols < hi
         slots = tl.load(Req_to_token + req * stride_r2t + cols, mask=c_ok, other=0)
@@ -90,11 +124,8 @@ def _extend_kernel(
             slots = slots.to(tl.int64)
         k_sid = tl.load(Slot_sid + slots, mask=c_ok, other=-2)
         vis = ((k_sid[None, :] == -1) | (k_sid[None, :] == q_sid[:, None])) & c_ok[None, :]
-        # K is loaded transposed ([D, N]) so it feeds tl.dot without a layout change.
-        k_t = tl.load(K_pool + slots[None, :] * stride_pool_s + kv_head_off + d[:, None],
-                      mask=c_ok[None, :] & d_ok[:, None], other=0.0).to(DOT_DT)
-        v = tl.load(V_pool + slots[:, None] * stride_pool_s + kv_head_off + d[None, :],
-                    mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
+        k_t, v = _load_kv(K_pool, V_pool, slots, c_ok, kv_head_off, d, d_ok, stride_pool_s,
+                          DOT_DT)
         s = tl.dot(q, k_t, input_precision=PREC) * scale_log2
         s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
@@ -150,6 +181,7 @@ def extend_attention(
     lse: torch.Tensor | None = None, max_prefix_len: int | None = None,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
     tiles: _arch.Tiles | None = None,
+    doc_start: torch.Tensor | None = None, doc_len: torch.Tensor | None = None,
 ) -> int:
     """Writes o [T, Hq, D] (and lse [T, Hq] float32, natural log). Returns the split count used.
 
@@ -157,7 +189,12 @@ def extend_attention(
     req_indices/kv_start/prefix_lens [B] int32; qo_indptr [B+1] int32; q_sid [T] int32;
     slot_sid [S] int32. max_prefix_len (host int, an upper bound) only steers the split count.
     tiles overrides the per-device choice (benchmark sweeps).
+    doc_start/doc_len [B] int32 (both or neither): row positions [0, doc_len[b]) of request b
+    are the slots doc_start[b] + i, all with slot_sid -1; they are read without req_to_token or
+    slot_sid. doc_len[b] = 0: no contiguous document known, the whole row is gathered.
     """
+    if (doc_start is None) != (doc_len is None):
+        raise ValueError("extend_attention takes doc_start and doc_len together, or neither")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     batch = req_indices.shape[0]
@@ -177,17 +214,19 @@ def extend_attention(
         part_o, part_lse = o, o  # unused by the kernel
     lse_arg = lse if lse is not None else o
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, device)
+    has_doc = doc_start is not None
     grid = (batch, num_kv_heads * m_tiles, num_splits)
     _extend_kernel[grid](
         q, k_new, v_new, o, lse_arg, part_o, part_lse,
         k_pool, v_pool, req_to_token, req_indices, kv_start, prefix_lens, qo_indptr, q_sid, slot_sid,
+        doc_start if has_doc else kv_start, doc_len if has_doc else kv_start,
         sm_scale * math.log2(math.e), m_tiles, 0, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         o.stride(0), o.stride(1), *lse_strides(lse), *partial_strides(part_o, part_lse, write_partial),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        WRITE_PARTIAL=write_partial, WRITE_LSE=lse is not None,
+        WRITE_PARTIAL=write_partial, WRITE_LSE=lse is not None, HAS_DOC=has_doc,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
