@@ -4,11 +4,14 @@ Catches what Triton's CPU interpreter lets through (it skips the compiler front 
 and prints registers, spills and shared memory per variant, at no device time. It replaces
 JITFunction.run so that the public launchers, called on CPU tensors at model shapes, hand their
 arguments to `triton.compile(target=sm_90)` instead of launching. Needs the ptxas that the
-triton wheel carries. Usage: python benchmarks/compile_check.py
+triton wheel carries. Each line also says whether the K/V loops' loads became async copies
+(`async N`: cp.async ops in the TTGIR). Usage: python benchmarks/compile_check.py [--sweep]
+(--sweep: also the contiguous-document tile configs that benchmarks/kernels.py sweeps).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -19,13 +22,11 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 TARGET = GPUTarget("cuda", 90, 32)
-_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
 seen: dict[tuple, str] = {}
 
 
@@ -41,43 +42,56 @@ def _resources(cubin: bytes) -> str:
 
 
 def _compile(self, *args, grid, warmup, **kwargs):
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(self.arg_names, args)) | kwargs
-    signature, constexprs = {}, {}
-    for p in self.params:
-        value = values[p.name]
-        if p.is_constexpr:
-            signature[p.name], constexprs[p.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[p.name] = "*" + _TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[p.name] = "i1"
-        elif isinstance(value, int):
-            signature[p.name] = "i32" if abs(value) < 2**31 else "i64"
-        else:
-            signature[p.name] = "fp32"
-    key = (self.fn.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
-           tuple(sorted(options.items())))
+    # Triton's own argument binder, so that the compile sees what a launch would: 16-byte
+    # aligned pointers and ints divisible by 16 marked tt.divisibility (without that hint no
+    # load is vectorised and none becomes a cp.async copy), ints equal to 1 as constants.
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(self.signature, self.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
+                                                            specialization, options)
+    names = {path[0]: value for path, value in constexprs.items()}
+    shown = {self.arg_names[i]: str(v) for i, v in names.items() if self.arg_names[i].isupper()
+             and self.arg_names[i] != "HEAD_DIM"}
+    launch = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    key = (self.fn.__name__, tuple(sorted(shown.items())), tuple(sorted(launch.items())))
     if key in seen:
         return None
-    compiled = triton.compile(ASTSource(self, signature, constexprs), target=TARGET,
-                              options=options)
-    shown = {k: str(v) for k, v in constexprs.items() if k.isupper() and k != "HEAD_DIM"}
+    compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
+                              options=options.__dict__)
+    ttgir = compiled.asm["ttgir"]
     dump = os.environ.get("DUMP_TTGIR")
     if dump and dump in self.fn.__name__:
-        print(compiled.asm["ttgir"])
+        print(ttgir)
     seen[key] = (f"{self.fn.__name__:15} {_resources(compiled.asm['cubin'])} "
-                 f"dyn-smem {compiled.metadata.shared:6} {options} {shown}")
+                 f"dyn-smem {compiled.metadata.shared:6} "
+                 f"async {ttgir.count('ttg.async_copy_global_to_local'):2} {launch} {shown}")
     print(seen[key], flush=True)
     return None
 
 
+def _sweep_configs(kernel: str, wanted: bool) -> list[tuple[int, int, int, int]]:
+    """The tile configs benchmarks/kernels.py --sweep-<kernel> times (contiguous variants)."""
+    if not wanted:
+        return []
+    sys.path.insert(0, os.path.dirname(__file__))
+    from kernels import CONTIG_SWEEP
+    return CONTIG_SWEEP[kernel]
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true",
+                        help="also compile the contiguous-document sweep configs of kernels.py")
+    sweep = parser.parse_args().sweep
+    print(f"triton {triton.__version__} (the H200 runs have used 3.6.0: to match, put that wheel "
+          "first on PYTHONPATH)")
     JITFunction.run = _compile
     from ppqa.kernels.cascade import shared_prefix_attention
     from ppqa.kernels.decode_attention import decode_attention
     from ppqa.kernels.extend_attention import extend_attention
     from ppqa.kernels.kv_store import store_kv
+    from ppqa.kernels._arch import Tiles
 
     # Pretend CPU tensors live on an H200, for tile, split and dtype choices.
     from ppqa.kernels import _arch
@@ -99,18 +113,31 @@ def main() -> None:
             pool = torch.zeros(16, hkv, 128, dtype=dtype)
             table = torch.zeros(4, 8, **i32)
             b = torch.zeros(4, **i32)
-            for ext, splits in ((1, 1), (16, 4), (64, 1), (128, 1)):
+            for ext, splits, doc in ((1, 1, False), (16, 4, False), (64, 1, False),
+                                     (128, 1, False), (32, 2, True), (128, 1, True)):
                 lse = torch.zeros(64, hq)
                 extend_attention(q, kv, kv, q, pool, pool, table, b, b, b,
                                  torch.zeros(5, **i32), torch.zeros(64, **i32),
-                                 torch.zeros(16, **i32), ext, 0.1, lse=lse, num_splits=splits)
+                                 torch.zeros(16, **i32), ext, 0.1, lse=lse, num_splits=splits,
+                                 **(dict(doc_start=b, doc_len=b) if doc else {}))
             for splits in (1, 4):
                 decode_attention(q, q, pool, pool, table, torch.zeros(64, **i32),
                                  torch.zeros(64, **i32), torch.zeros(64, **i32), 0.1,
                                  num_splits=splits)
-            shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table,
-                                    torch.zeros(2, **i32), torch.zeros(1, **i32),
-                                    torch.zeros(1, **i32), 64, 1024, 0.1, num_splits=4)
+            group = (torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32))
+            shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group, 64,
+                                    1024, 0.1, num_splits=4)
+            sweep_dtype = sweep and dtype != torch.float32
+            for size, contig_tiles in ((256, None), (8, None),
+                                       *((256, t) for t in _sweep_configs("prefix", sweep_dtype))):
+                shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group,
+                                        size, 16384, 0.1, num_splits=2, doc_starts=group[1],
+                                        tiles=Tiles(*contig_tiles) if contig_tiles else None)
+            for ext_tiles in _sweep_configs("extend", sweep_dtype):
+                extend_attention(q, kv, kv, q, pool, pool, table, b, b, b,
+                                 torch.zeros(5, **i32), torch.zeros(64, **i32),
+                                 torch.zeros(16, **i32), 32, 0.1, num_splits=2,
+                                 doc_start=b, doc_len=b, tiles=Tiles(*ext_tiles))
             store_kv(pool, pool, torch.zeros(64, dtype=torch.int64), kv, kv)
     print(f"{len(seen)} variants compiled for sm_90")
 
