@@ -82,7 +82,7 @@ class TritonBackend:
         splits = max(1, min(splits, cap // 2))
         doc = prefix_splits(self.device, self.dtype, meta.batch_size, *heads,
                             casc.doc_req_indices.shape[0], casc.max_group_size, casc.max_doc_len,
-                            self.scratch, reserved_states=splits)
+                            self.scratch, reserved_states=splits, contiguous=casc.contiguous)
         return StepPlan(splits, doc)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -99,7 +99,8 @@ class TritonBackend:
             extend_attention(q, k, v, o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
                              meta.kv_start, meta.prefix_lens, meta.qo_indptr, meta.q_sid,
                              self.pool.slot_sid, meta.max_extend_len, self.sm_scale,
-                             num_splits=plan.splits, scratch=self.scratch)
+                             num_splits=plan.splits, scratch=self.scratch,
+                             doc_start=meta.doc_start, doc_len=meta.doc_len)
         elif meta.cascade is None:
             decode_attention(q, o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
                              meta.kv_start, meta.prefix_lens, self.sm_scale,
@@ -107,6 +108,11 @@ class TritonBackend:
         else:
             self._cascade(q, o, k_buf, v_buf, meta, plan)
         return o
+
+    @staticmethod
+    def _doc_starts(casc) -> torch.Tensor | None:
+        """The groups' document runs when every document is one (the contiguous kernel)."""
+        return casc.doc_starts if casc.contiguous and casc.doc_starts is not None else None
 
     def _cascade_extend(self, q, k, v, o, k_buf, v_buf, meta: ForwardMetadata,
                         plan: StepPlan) -> None:
@@ -120,7 +126,7 @@ class TritonBackend:
         shared_prefix_attention(q, doc_o, doc_lse, k_buf, v_buf, meta.req_to_token,
                                 casc.group_req_indptr, casc.doc_req_indices, casc.doc_lens,
                                 casc.max_group_size, casc.max_doc_len, self.sm_scale,
-                                scratch=self.scratch)
+                                scratch=self.scratch, doc_starts=self._doc_starts(casc))
         own_o = torch.empty(shape, dtype=torch.float32, device=q.device)
         own_lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         extend_attention(q, k, v, own_o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
@@ -144,5 +150,5 @@ class TritonBackend:
         launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
                              casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
                              self.sm_scale, plan.prefix_splits, part_o, part_lse,
-                             state_offset=plan.splits)
+                             state_offset=plan.splits, doc_starts=self._doc_starts(casc))
         merge_partials(part_o, part_lse, o)
