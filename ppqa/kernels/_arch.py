@@ -68,14 +68,24 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
-    """Tiles for the extend kernel; `rows` = query rows one request needs (tokens x group).
+def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int,
+                 contiguous: bool = False, group: int = 1) -> Tiles:
+    """Tiles for the extend kernel; `rows` = query rows one request needs (tokens x group);
+    contiguous: the launch passes doc_start/doc_len (the document read by cp.async copies).
 
     sm_90, bf16/fp16 (NOTES.md, run 2): decode steps are fastest with 16-32 query rows x 64
     keys and 8 warps (P=32 at 16k/256: 0.97 ms vs 2.38 ms with 64 x 32, on both models); the
     two-stage kernel spills past that (compile_check.py). Prefills (many rows, compute-bound)
     take 64 x 64 (a few spilled bytes; unmeasured). fp32 (exact "ieee" dots, tests only) uses
     the smallest tiles that compile without spills.
+    Contiguous documents, decode steps (H200 sweep, CUDA graph replays, P=32 at 16k/256;
+    gather 0.97 / 0.95 ms): 4 warps, 3 stages, two CTAs an SM. MHA 64 x 64: 0.52 ms vs 0.57
+    for 32 x 64 and 0.65 for 64 x 32; 252-254 registers, no spills while one query tile holds
+    the request (P <= 64); two tiles (question prefill chunks) spill 48 bytes, outside the
+    document and gather loops (SASS). GQA 64 x 32 (231 registers, no spills): 0.37 ms; 64 x 64
+    ran 0.35 but spills 40 bytes. 32 x 64 x 8 warps x 2 stages, the gather loop's tile, ran
+    slower with the document loop than without it (1.33 ms). P=16 / 64: 0.84 / 0.46 ms
+    (gather 1.58 / 1.18) CodeLlama, 0.30 / 0.52 (0.86 / 1.16) Qwen2.5.
     """
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
     if not is_gpu(device):
@@ -84,6 +94,8 @@ def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
         return Tiles(16, 32, 4, 2)
     if rows > 512:
         return Tiles(64, 64, 8, 2)
+    if contiguous:
+        return Tiles(64, 64 if group == 1 else 32, 4, 3)
     return Tiles(min(want_m, 32), 64, 8, 2)
 
 
@@ -123,7 +135,9 @@ def contig_prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> 
     triton 3.6 (compile_check.py): 140 registers MHA / 168 GQA, no spills, 128 KiB of shared
     memory (Q + 3 K/V stages), so one CTA per SM, which `wave_splits` is told. A group of <= 64
     rows takes 64 rows x 4 warps (164 / 180 registers, 112 KiB) rather than computing padding.
-    Not yet measured on the H200: `benchmarks/kernels.py --sweep-prefix`.
+    H200 (benchmarks/kernels.py --sweep-prefix, 16k/256, merge included, CUDA graph replays):
+    0.167 ms CodeLlama, 0.163 Qwen2.5 at the planned 2 splits (gather 0.255 / 0.236; SDPA's
+    shared read 0.196), the best of the six tiles swept; 2 stages instead of 3: 0.26 / 0.24.
     fp32 (exact "ieee" dots, tests only): 32 x 32 x 8 warps, 80 registers (16 x 32 x 4 warps,
     the gather kernel's fp32 tile, spills ~300 bytes).
     """
@@ -165,6 +179,8 @@ def wave_splits(
     of 128), not as choose_splits' 5 (320 programs in 3 waves, 81% full). Fewer splits at equal
     fill: each split adds a float32 partial state per query row to write and merge. Host-side
     and from maxima only, like choose_splits; each piece reads >= MIN_SPLIT_TOKENS keys.
+    H200, contiguous prefix, CodeLlama 16k/256: 1 / 2 / 4 / 8 splits 0.32 / 0.167 / 0.174 /
+    0.187 ms (Qwen2.5 0.35 / 0.163 / 0.167 / 0.177); 3 or 5 splits (1.5 or 2.5 waves) ~0.21.
     """
     slots = num_sms(device) * ctas_per_sm
     most = max(1, min(split_cap, MAX_SPLITS, triton.cdiv(max_keys, MIN_SPLIT_TOKENS)))
@@ -177,6 +193,13 @@ def wave_splits(
         if fill > best_fill:
             best, best_fill = splits, fill
     return best
+
+
+def resident_ctas(tiles: Tiles) -> int:
+    """CTAs of a contiguous-document kernel that fit on one SM (wave_splits' ctas_per_sm), from
+    compile_check.py on sm_90: the 8-warp tiles take > 128 registers a thread (one CTA), the
+    4-warp ones 160-255 with <= 112 KiB of shared memory (two)."""
+    return 1 if tiles.num_warps >= 8 else 2
 
 
 def kernel_dtypes(dtype: torch.dtype, device: torch.device):

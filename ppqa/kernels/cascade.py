@@ -137,7 +137,7 @@ def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_head
     programs = m_tiles * num_kv_heads * num_groups
     if contiguous:
         return _arch.wave_splits(programs, max_doc_len, device, cap,
-                                 ctas_per_sm=1 if tiles.num_warps >= 8 else 2)
+                                 _arch.resident_ctas(tiles))
     return _arch.choose_splits(programs, max_doc_len, device, cap)
 
 

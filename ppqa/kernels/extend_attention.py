@@ -158,21 +158,29 @@ def _extend_kernel(
     )
 
 
-def _tiling(device, dtype, group: int, max_extend_len: int,
-            tiles: _arch.Tiles | None = None) -> tuple[_arch.Tiles, int, int]:
+def _tiling(device, dtype, group: int, max_extend_len: int, tiles: _arch.Tiles | None = None,
+            contiguous: bool = False) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per request and KV head)."""
-    tiles = tiles or _arch.extend_tiles(device, dtype, max_extend_len * group)
+    tiles = tiles or _arch.extend_tiles(device, dtype, max_extend_len * group, contiguous, group)
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     return tiles, block_m, triton.cdiv(max(max_extend_len, 1), block_m // group)
 
 
 def extend_splits(device: torch.device, dtype: torch.dtype, batch: int, num_tokens: int,
                   num_heads: int, num_kv_heads: int, head_dim: int, max_extend_len: int,
-                  max_prefix_len: int, scratch: PartialScratch | None = None) -> int:
-    """The split count extend_attention picks (host-side, from shapes and maxima only)."""
-    _, _, m_tiles = _tiling(device, dtype, num_heads // num_kv_heads, max_extend_len)
+                  max_prefix_len: int, scratch: PartialScratch | None = None,
+                  contiguous: bool = False) -> int:
+    """The split count extend_attention picks (host-side, from shapes and maxima only).
+    contiguous: the launch will pass doc_start/doc_len (its tiles; splits that fill whole waves,
+    `wave_splits`: 3 splits left Qwen2.5's 128 programs in 1.5 waves, 0.43 ms vs 0.35 at 2)."""
+    tiles, _, m_tiles = _tiling(device, dtype, num_heads // num_kv_heads, max_extend_len,
+                                contiguous=contiguous)
     cap = scratch.max_states(num_tokens, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
-    return _arch.choose_splits(batch * num_kv_heads * m_tiles, max_prefix_len, device, cap)
+    programs = batch * num_kv_heads * m_tiles
+    if contiguous:
+        return _arch.wave_splits(programs, max_prefix_len, device, cap,
+                                 _arch.resident_ctas(tiles))
+    return _arch.choose_splits(programs, max_prefix_len, device, cap)
 
 
 def extend_attention(
@@ -202,11 +210,12 @@ def extend_attention(
         return 0
     group = num_heads // num_kv_heads
     device = q.device
-    tiles, block_m, m_tiles = _tiling(device, q.dtype, group, max_extend_len, tiles)
+    has_doc = doc_start is not None
+    tiles, block_m, m_tiles = _tiling(device, q.dtype, group, max_extend_len, tiles, has_doc)
     if num_splits is None:
         bound = max_prefix_len if max_prefix_len is not None else req_to_token.shape[1]
         num_splits = extend_splits(device, q.dtype, batch, num_tokens, num_heads, num_kv_heads,
-                                   head_dim, max_extend_len, bound, scratch)
+                                   head_dim, max_extend_len, bound, scratch, has_doc)
     write_partial = num_splits > 1
     if write_partial:
         part_o, part_lse = partial_buffers(scratch, num_tokens, num_heads, num_splits, head_dim, device)
@@ -214,7 +223,6 @@ def extend_attention(
         part_o, part_lse = o, o  # unused by the kernel
     lse_arg = lse if lse is not None else o
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, device)
-    has_doc = doc_start is not None
     grid = (batch, num_kv_heads * m_tiles, num_splits)
     _extend_kernel[grid](
         q, k_new, v_new, o, lse_arg, part_o, part_lse,
