@@ -79,7 +79,7 @@ def _sweep_configs(kernel: str, wanted: bool) -> list[tuple[int, int, int, int]]
     if not wanted:
         return []
     sys.path.insert(0, os.path.dirname(__file__))
-    from kernels import CONTIG_SWEEP
+    from kernel_sweeps import CONTIG_SWEEP
     return CONTIG_SWEEP[kernel]
 
 

@@ -11,11 +11,8 @@ max(unique KV bytes / 4.3 TB/s, useful FLOPs / 790 TFLOP/s), the bytes the kerne
 (repeats counted: L2 may serve some) and the achieved rates. Writes JSON after every cell and
 prints a table last. Usage: python benchmarks/kernels.py [--out PATH] [--quick]
 
---sweep-prefix / --sweep-extend (instead of the grid): the contiguous-document variants (the
-document read at affine addresses: launch_shared_prefix(doc_starts=...), extend_attention(
-doc_start=, doc_len=)) over CONTIG_SWEEP tiles x CONTIG_SPLITS at 16k/256 (extend: P=32), against
-the gather variant at its defaults and SDPA's shared read; each timed with its merge, as
-replays of a CUDA graph.
+--sweep-prefix / --sweep-extend (instead of the grid): the contiguous-document variants over
+their tiles and split counts at 16k/256 (benchmarks/kernel_sweeps.py).
 """
 
 from __future__ import annotations
@@ -36,10 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ppqa.engine.attention import CascadeMetadata, ForwardMetadata  # noqa: E402
 from ppqa.engine.triton_backend import TritonBackend  # noqa: E402
 from ppqa.kernels._arch import Tiles  # noqa: E402
-from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits  # noqa: E402
+from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
 from ppqa.kernels.decode_attention import decode_attention  # noqa: E402
 from ppqa.kernels.extend_attention import extend_attention  # noqa: E402
-from ppqa.kernels.merge import merge_partials  # noqa: E402
 
 COPY_BW, MATMUL = 4.3e12, 790e12  # measured on this H200 (KINDS.md); re-measured below
 MODELS = {"codellama-7b": (32, 32, 128), "qwen2.5-7b": (28, 4, 128)}
@@ -240,18 +236,6 @@ SWEEP = {  # (block_m, block_n, num_warps, num_stages); the first of each is the
 }
 
 
-# --sweep-prefix / --sweep-extend: tiles (block_m, block_n, num_warps, num_stages) of the
-# contiguous-document variants (None: the launcher's own choice) and split counts (None: the
-# planner's); every pair is timed. benchmarks/compile_check.py --sweep compiles these tiles.
-CONTIG_SWEEP = {
-    "prefix": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
-               (128, 128, 8, 2), (64, 32, 4, 3)],
-    "extend": [(64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
-               (64, 64, 8, 3), (32, 64, 8, 2)],
-}
-CONTIG_SPLITS = {"prefix": [None, 1, 4, 8], "extend": [None, 1, 4]}
-
-
 def sweep(model: str, doc_len: int, questions: int, gen) -> list[dict]:
     """Tile variants of each kernel on one cell, splits as the backend plans them."""
     grid = Grid(MODELS[model], doc_len, questions, gen)
@@ -291,81 +275,6 @@ def sweep(model: str, doc_len: int, questions: int, gen) -> list[dict]:
     return rows
 
 
-def contig_sweep(kernel: str, model: str, doc_len: int, questions: int, gen,
-                 smoke: bool = False) -> list[dict]:
-    """"prefix": the cascade document part (all questions against the document, one group);
-    "extend": the parallel P=32 step. Grid puts the document at slots 1..L: doc_start = 1.
-    doc_TFLOPs counts the document part's useful FLOPs only; splits None = the planner's."""
-    grid = Grid(MODELS[model], doc_len, questions, gen)
-    heads, i32 = (grid.num_heads, grid.num_kv_heads, grid.head_dim), dict(device=DEV, dtype=torch.int32)
-    flops = 4 * grid.head_dim * grid.num_heads * questions * doc_len
-    # the interpreter (smoke) runs one tile config at two split counts
-    configs = [(t, n) for t in CONTIG_SWEEP[kernel][:1 if smoke else None]
-               for n in CONTIG_SPLITS[kernel][:2 if smoke else None]]
-    o, rows, gathered = torch.empty_like(grid.q), [], []
-    if kernel == "prefix":
-        backend, meta = grid.stock(cascade=True)
-        casc, doc_starts = meta.cascade, torch.ones(1, **i32)
-
-        def run(splits, tiles=None, contiguous=False):
-            splits = splits or prefix_splits(grid.q.device, DTYPE, questions, *heads, 1, questions, doc_len,
-                                              contiguous=contiguous)
-            part = [torch.empty(questions, grid.num_heads, splits, *d, device=DEV)
-                    for d in ((grid.head_dim,), ())]
-            launch_shared_prefix(grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
-                                 casc.doc_req_indices, casc.doc_lens, questions, backend.sm_scale,
-                                 splits, *part, tiles=tiles,
-                                 doc_starts=doc_starts if contiguous else None)
-            merge_partials(*part, o)
-            return o
-    else:
-        backend, meta = grid.parallel(32)
-        doc = dict(doc_start=torch.ones(meta.batch_size, **i32),
-                   doc_len=torch.full((meta.batch_size,), doc_len, **i32))
-
-        def run(splits, tiles=None, contiguous=False):
-            extend_attention(grid.q, grid.k_new, grid.v_new, o, grid.k, grid.v, meta.req_to_token,
-                             meta.req_indices, meta.kv_start, meta.prefix_lens, meta.qo_indptr,
-                             meta.q_sid, backend.pool.slot_sid, meta.max_extend_len,
-                             backend.sm_scale, max_prefix_len=meta.max_prefix_len,
-                             num_splits=splits, tiles=tiles, **(doc if contiguous else {}))
-            return o
-
-    for variant, tiles, splits in [("gather", None, None)] + [("contiguous", *c) for c in configs]:
-        row = {"mode": f"contig_{kernel}", "variant": variant, "tiles": tiles, "splits": splits}
-        fn = lambda: run(splits, tiles and Tiles(*tiles), variant == "contiguous")  # noqa: E731
-        try:
-            ms = bench_replay(fn)
-            out = fn().float()
-            gathered += [out] if variant == "gather" else []  # the others must agree with it
-            row |= {"ms": round(ms, 4), "doc_TFLOPs": round(flops / ms / 1e9, 1)}
-            if gathered:
-                row["max_abs_diff_vs_gather"] = round(float((out - gathered[0]).abs().max()), 5)
-        except Exception as e:  # a variant that does not compile or fit is a result too
-            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        rows.append(row)
-    try:
-        row = {"ms": round(grid.sdpa(shared=True, timer=bench_replay), 4)}
-    except (RuntimeError, torch.OutOfMemoryError) as e:
-        row = {"error": str(e)[:160]}
-    rows.append({"mode": f"contig_{kernel}", "variant": "sdpa_shared"} | row)
-    for row in rows:
-        row.update(model=model, doc_tokens=doc_len, questions=questions)
-    return rows
-
-
-def print_contig(rows: list[dict]) -> None:
-    gather = {(r["model"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "gather"}
-    print(f"{'model':13} {'kernel':14} {'variant':11} {'tiles':>17} {'splits':>6} {'ms':>8} "
-          f"{'x gather':>8} {'TFLOP/s':>8} diff")
-    for r in rows:
-        base, ms = gather.get((r["model"], r["mode"])), r.get("ms")
-        splits = "" if r["variant"] == "sdpa_shared" else r.get("splits") or "plan"
-        print(f"{r['model']:13} {r['mode']:14} {r['variant']:11} {str(r.get('tiles') or ''):>17} "
-              f"{splits:>6} {ms or r.get('error'):>8} {base / ms if ms and base else '':>8.4} "
-              f"{r.get('doc_TFLOPs', ''):>8} {r.get('max_abs_diff_vs_gather', '')}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     default_out = os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json")
@@ -402,9 +311,12 @@ def main() -> None:
         docs, qs = [300], [64]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if contig:
+        from kernel_sweeps import contig_sweep, print_contig  # this script's folder is on sys.path
+
         for kernel in contig:
             for model in MODELS:
-                result["rows"] += contig_sweep(kernel, model, docs[-1], qs[-1], gen, args.smoke)
+                grid = Grid(MODELS[model], docs[-1], qs[-1], gen)
+                result["rows"] += contig_sweep(kernel, grid, model, bench_replay, args.smoke)
                 with open(args.out, "w") as f:
                     json.dump(result, f, indent=1)
         print(f"calibration: {result['calibration']}")

@@ -1,0 +1,104 @@
+"""The contiguous-document sweeps of `benchmarks/kernels.py` (--sweep-prefix, --sweep-extend).
+
+For one cell (16k/256 on the H200), the document read at affine addresses
+(launch_shared_prefix(doc_starts=...), extend_attention(doc_start=, doc_len=)) over CONTIG_SWEEP
+tiles x CONTIG_SPLITS, against the gather variant at its defaults and SDPA's shared read; each
+timed as CUDA graph replays with its merge, each checked against the gather output.
+kernels.py builds the cell (its Grid) and writes the JSON; benchmarks/compile_check.py --sweep
+compiles the same tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ppqa.kernels._arch import Tiles
+from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits
+from ppqa.kernels.extend_attention import extend_attention
+from ppqa.kernels.merge import merge_partials
+
+# --sweep-prefix / --sweep-extend: tiles (block_m, block_n, num_warps, num_stages) of the
+# contiguous-document variants (None: the launcher's own choice) and split counts (None: the
+# planner's); every pair is timed. benchmarks/compile_check.py --sweep compiles these tiles.
+CONTIG_SWEEP = {
+    "prefix": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
+               (128, 128, 8, 2), (64, 32, 4, 3)],
+    "extend": [(64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
+               (64, 64, 8, 3), (32, 64, 8, 2)],
+}
+CONTIG_SPLITS = {"prefix": [None, 1, 4, 8], "extend": [None, 1, 4]}
+
+
+def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
+    """"prefix": the cascade document part (all questions against the document, one group);
+    "extend": the parallel P=32 step. `grid`: kernels.py's Grid of one cell, which puts the
+    document at slots 1..L (doc_start = 1); bench_replay times a CUDA graph replay.
+    doc_TFLOPs counts the document part's useful FLOPs only; splits None = the planner's."""
+    doc_len, questions, dev = grid.doc_len, grid.questions, grid.q.device
+    heads, i32 = (grid.num_heads, grid.num_kv_heads, grid.head_dim), dict(device=dev, dtype=torch.int32)
+    flops = 4 * grid.head_dim * grid.num_heads * questions * doc_len
+    # the interpreter (smoke) runs one tile config at two split counts
+    configs = [(t, n) for t in CONTIG_SWEEP[kernel][:1 if smoke else None]
+               for n in CONTIG_SPLITS[kernel][:2 if smoke else None]]
+    o, rows, gathered = torch.empty_like(grid.q), [], []
+    if kernel == "prefix":
+        backend, meta = grid.stock(cascade=True)
+        casc, doc_starts = meta.cascade, torch.ones(1, **i32)
+
+        def run(splits, tiles=None, contiguous=False):
+            splits = splits or prefix_splits(dev, grid.q.dtype, questions, *heads, 1, questions, doc_len,
+                                              contiguous=contiguous)
+            part = [torch.empty(questions, grid.num_heads, splits, *d, device=dev)
+                    for d in ((grid.head_dim,), ())]
+            launch_shared_prefix(grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
+                                 casc.doc_req_indices, casc.doc_lens, questions, backend.sm_scale,
+                                 splits, *part, tiles=tiles,
+                                 doc_starts=doc_starts if contiguous else None)
+            merge_partials(*part, o)
+            return o
+    else:
+        backend, meta = grid.parallel(32)
+        doc = dict(doc_start=torch.ones(meta.batch_size, **i32),
+                   doc_len=torch.full((meta.batch_size,), doc_len, **i32))
+
+        def run(splits, tiles=None, contiguous=False):
+            extend_attention(grid.q, grid.k_new, grid.v_new, o, grid.k, grid.v, meta.req_to_token,
+                             meta.req_indices, meta.kv_start, meta.prefix_lens, meta.qo_indptr,
+                             meta.q_sid, backend.pool.slot_sid, meta.max_extend_len,
+                             backend.sm_scale, max_prefix_len=meta.max_prefix_len,
+                             num_splits=splits, tiles=tiles, **(doc if contiguous else {}))
+            return o
+
+    for variant, tiles, splits in [("gather", None, None)] + [("contiguous", *c) for c in configs]:
+        row = {"mode": f"contig_{kernel}", "variant": variant, "tiles": tiles, "splits": splits}
+        fn = lambda: run(splits, tiles and Tiles(*tiles), variant == "contiguous")  # noqa: E731
+        try:
+            ms = bench_replay(fn)
+            out = fn().float()
+            gathered += [out] if variant == "gather" else []  # the others must agree with it
+            row |= {"ms": round(ms, 4), "doc_TFLOPs": round(flops / ms / 1e9, 1)}
+            if gathered:
+                row["max_abs_diff_vs_gather"] = round(float((out - gathered[0]).abs().max()), 5)
+        except Exception as e:  # a variant that does not compile or fit is a result too
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows.append(row)
+    try:
+        row = {"ms": round(grid.sdpa(shared=True, timer=bench_replay), 4)}
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        row = {"error": str(e)[:160]}
+    rows.append({"mode": f"contig_{kernel}", "variant": "sdpa_shared"} | row)
+    for row in rows:
+        row.update(model=model, doc_tokens=doc_len, questions=questions)
+    return rows
+
+
+def print_contig(rows: list[dict]) -> None:
+    gather = {(r["model"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "gather"}
+    print(f"{'model':13} {'kernel':14} {'variant':11} {'tiles':>17} {'splits':>6} {'ms':>8} "
+          f"{'x gather':>8} {'TFLOP/s':>8} diff")
+    for r in rows:
+        base, ms = gather.get((r["model"], r["mode"])), r.get("ms")
+        splits = "" if r["variant"] == "sdpa_shared" else r.get("splits") or "plan"
+        print(f"{r['model']:13} {r['mode']:14} {r['variant']:11} {str(r.get('tiles') or ''):>17} "
+              f"{splits:>6} {ms or r.get('error'):>8} {base / ms if ms and base else '':>8.4} "
+              f"{r.get('doc_TFLOPs', ''):>8} {r.get('max_abs_diff_vs_gather', '')}")
