@@ -125,10 +125,11 @@ def main() -> None:
                                  torch.zeros(5, **i32), torch.zeros(64, **i32),
                                  torch.zeros(16, **i32), ext, 0.1, lse=lse, num_splits=splits,
                                  **(dict(doc_start=b, doc_len=b) if doc else {}))
-            for splits in (1, 4):
-                decode_attention(q, q, pool, pool, table, torch.zeros(64, **i32),
-                                 torch.zeros(64, **i32), torch.zeros(64, **i32), 0.1,
-                                 num_splits=splits)
+            for splits, doc in ((1, False), (4, False), (1, True), (4, True)):
+                rows = torch.zeros(64, **i32)
+                decode_attention(q, q, pool, pool, table, rows, rows, rows, 0.1,
+                                 num_splits=splits,
+                                 **(dict(doc_start=rows, doc_len=rows) if doc else {}))
             group = (torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32))
             shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group, 64,
                                     1024, 0.1, num_splits=4)

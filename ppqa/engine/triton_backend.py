@@ -104,7 +104,8 @@ class TritonBackend:
         elif meta.cascade is None:
             decode_attention(q, o, k_buf, v_buf, meta.req_to_token, meta.req_indices,
                              meta.kv_start, meta.prefix_lens, self.sm_scale,
-                             num_splits=plan.splits, scratch=self.scratch, seq_len_offset=1)
+                             num_splits=plan.splits, scratch=self.scratch, seq_len_offset=1,
+                             doc_start=meta.doc_start, doc_len=meta.doc_len)
         else:
             self._cascade(q, o, k_buf, v_buf, meta, plan)
         return o

@@ -1,7 +1,8 @@
 """Paged split-KV decode attention: the `stock` baseline (one query token per request).
 
 Request b's query attends to its row req_to_token[req, kv_start:seq_len] (no stream rule: a
-stock request holds one question). Grid: (request, KV head, split). A program holds all query
+stock request holds one question). When the row starts with a document whose slots are one run
+(`doc_start`/`doc_len`), that part is read at affine addresses, without req_to_token loads. Grid: (request, KV head, split). A program holds all query
 heads of one KV head (GQA: the heads form the rows of a tl.dot tile, so each KV tile is read
 once per request; MHA: one row, multiply-and-sum on the CUDA cores) and reads one piece of the
 row. With more than one split each piece writes a partial state and `merge_partials` reduces
@@ -27,16 +28,29 @@ from ppqa.kernels.merge import (
 
 
 @triton.jit
+def _decode_tile(q, K_pool, V_pool, slots, c_ok, kv_head_off, d, d_ok, stride_pool_s,
+                 scale_log2, m_i, l_i, acc, USE_DOT: tl.constexpr, DOT_DT: tl.constexpr,
+                 P_DT: tl.constexpr, PREC: tl.constexpr):
+    """One key tile at `slots` (gathered or affine) folded into the running softmax."""
+    kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
+    kv_mask = c_ok[:, None] & d_ok[None, :]
+    k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
+    v = tl.load(V_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
+    s = tl.where(c_ok[None, :], tile_scores(q, k, scale_log2, USE_DOT, PREC), float("-inf"))
+    return softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
+
+
+@triton.jit
 def _decode_kernel(
     Q, O, Lse, Part_o, Part_lse,
-    K_pool, V_pool, Req_to_token, Req_idx, Kv_start, Seq_lens,
+    K_pool, V_pool, Req_to_token, Req_idx, Kv_start, Seq_lens, Doc_start, Doc_len,
     scale_log2, seq_len_offset, state_offset, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
     stride_pool_s, stride_pool_h, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_DOC: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -63,18 +77,28 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     kv_head_off = kvh * stride_pool_h
-    for start in range(lo, hi, BLOCK_N):
+    gather_lo = lo
+    if HAS_DOC:
+        # The document piece [lo, min(hi, doc_len)): slots doc_start + i, no req_to_token load.
+        doc_hi = tl.minimum(hi, tl.load(Doc_len + b))
+        doc_slot0 = tl.load(Doc_start + b)
+        if IDX64:
+            doc_slot0 = doc_slot0.to(tl.int64)
+        for start in range(lo, doc_hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _decode_tile(q, K_pool, V_pool, doc_slot0 + cols, cols < doc_hi,
+                                         kv_head_off, d, d_ok, stride_pool_s, scale_log2,
+                                         m_i, l_i, acc, USE_DOT, DOT_DT, P_DT, PREC)
+        gather_lo = tl.maximum(lo, doc_hi)
+    for start in range(gather_lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         c_ok = cols < hi
         slots = tl.load(Req_to_token + req * stride_r2t + cols, mask=c_ok, other=0)
         if IDX64:
             slots = slots.to(tl.int64)
-        kv_off = slots[:, None] * stride_pool_s + kv_head_off + d[None, :]
-        kv_mask = c_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
-        v = tl.load(V_pool + kv_off, mask=kv_mask, other=0.0).to(DOT_DT)
-        s = tl.where(c_ok[None, :], tile_scores(q, k, scale_log2, USE_DOT, PREC), float("-inf"))
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
+        m_i, l_i, acc = _decode_tile(q, K_pool, V_pool, slots, c_ok, kv_head_off, d, d_ok,
+                                     stride_pool_s, scale_log2, m_i, l_i, acc,
+                                     USE_DOT, DOT_DT, P_DT, PREC)
 
     write_rows(
         acc, m_i, l_i, b + h * 0, head, row_ok, state_offset + split,
@@ -96,10 +120,16 @@ def launch_decode(
     q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale: float,
     num_splits: int, *, o=None, lse=None, part_o=None, part_lse=None, state_offset: int = 0,
     seq_len_offset: int = 0, tiles: _arch.Tiles | None = None,
+    doc_start: torch.Tensor | None = None, doc_len: torch.Tensor | None = None,
 ) -> None:
     """One launch: final outputs into o (and lse) when part_o is None, else partial states
     num_splits wide at part_o[:, :, state_offset:]. seq_len_offset is added to seq_lens (the
-    backend passes prefix_lens with offset 1 rather than allocating prefix_lens + 1)."""
+    backend passes prefix_lens with offset 1 rather than allocating prefix_lens + 1).
+    doc_start/doc_len [B] int32 (both or neither): row positions [0, doc_len[b]) of request b
+    are the slots doc_start[b] + i, read without req_to_token; doc_len 0: all gathered."""
+    if (doc_start is None) != (doc_len is None):
+        raise ValueError("launch_decode takes doc_start and doc_len together, or neither")
+    has_doc = doc_start is not None
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -111,13 +141,14 @@ def launch_decode(
         q, o if o is not None else dummy, lse if lse is not None else dummy,
         part_o if partial else dummy, part_lse if partial else dummy,
         k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens,
+        doc_start if has_doc else kv_start, doc_len if has_doc else kv_start,
         sm_scale * math.log2(math.e), seq_len_offset, state_offset, num_splits,
         q.stride(0), q.stride(1), *(o.stride()[:2] if o is not None else (0, 0)),
         *lse_strides(lse), *partial_strides(part_o, part_lse, partial),
         k_pool.stride(0), k_pool.stride(1), req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_H=tiles.block_m, BLOCK_N=tiles.block_n,
-        WRITE_PARTIAL=partial, WRITE_LSE=lse is not None and not partial,
+        WRITE_PARTIAL=partial, WRITE_LSE=lse is not None and not partial, HAS_DOC=has_doc,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -128,11 +159,13 @@ def decode_attention(
     lse: torch.Tensor | None = None, max_seq_len: int | None = None,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
     seq_len_offset: int = 0, tiles: _arch.Tiles | None = None,
+    doc_start: torch.Tensor | None = None, doc_len: torch.Tensor | None = None,
 ) -> int:
     """Writes o [B, Hq, D] (and lse [B, Hq] float32, natural log). Returns the split count.
 
     q [B, Hq, D]: request b's query; it attends to row positions [kv_start[b], seq_lens[b] +
     seq_len_offset). max_seq_len (host int, an upper bound) only steers the split count.
+    doc_start/doc_len: a contiguous document at the row's start, as in `launch_decode`.
     """
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -143,12 +176,13 @@ def decode_attention(
                                    scratch)
     if num_splits == 1:
         launch_decode(q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale,
-                      1, o=o, lse=lse, seq_len_offset=seq_len_offset, tiles=tiles)
+                      1, o=o, lse=lse, seq_len_offset=seq_len_offset, tiles=tiles,
+                      doc_start=doc_start, doc_len=doc_len)
         return 1
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_decode(q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale,
                   num_splits, part_o=part_o, part_lse=part_lse, seq_len_offset=seq_len_offset,
-                  tiles=tiles)
+                  tiles=tiles, doc_start=doc_start, doc_len=doc_len)
     merge_partials(part_o, part_lse, o, lse)
     return num_splits
 
