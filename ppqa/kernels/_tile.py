@@ -74,3 +74,14 @@ def write_rows(
         tl.store(O + dst[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=ok)
         if WRITE_LSE:
             tl.store(Lse + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def doc_run(Doc_start, Doc_len, b, hi, IDX64: tl.constexpr):
+    """Request b's contiguous document within [.., hi): (end of that piece, its first slot).
+    Row positions below the end are slot first + position (kernels' HAS_DOC paths)."""
+    doc_hi = tl.minimum(hi, tl.load(Doc_len + b))
+    slot0 = tl.load(Doc_start + b)
+    if IDX64:
+        slot0 = slot0.to(tl.int64)
+    return doc_hi, slot0

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ppqa.kernels import _arch
 from ppqa.kernels._ref import masked_attention_ref
-from ppqa.kernels._tile import NEG_BIG, softmax_update, tile_scores, write_rows
+from ppqa.kernels._tile import NEG_BIG, doc_run, softmax_update, tile_scores, write_rows
 from ppqa.kernels.merge import (
     PartialScratch, lse_strides, merge_partials, partial_buffers, partial_strides,
 )
@@ -80,10 +80,7 @@ def _decode_kernel(
     gather_lo = lo
     if HAS_DOC:
         # The document piece [lo, min(hi, doc_len)): slots doc_start + i, no req_to_token load.
-        doc_hi = tl.minimum(hi, tl.load(Doc_len + b))
-        doc_slot0 = tl.load(Doc_start + b)
-        if IDX64:
-            doc_slot0 = doc_slot0.to(tl.int64)
+        doc_hi, doc_slot0 = doc_run(Doc_start, Doc_len, b, hi, IDX64)
         for start in range(lo, doc_hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _decode_tile(q, K_pool, V_pool, doc_slot0 + cols, cols < doc_hi,
