@@ -11,6 +11,9 @@ from sqlalchemy import func, select
 N_WORKERS = 4
 N_DOCUMENTS = 12
 JOBS_PER_DOCUMENT = 4
+# Spawned interpreters import SQLAlchemy before the first barrier: minutes on a loaded 2-core
+# machine (a CI run beside other work timed out at 120 s), so the barriers wait generously.
+BARRIER_S = 600
 REPORT = dict(device="cpu", model="none", mode="stock", wall_seconds=0.01, questions=2,
               prompt_tokens=10, answer_tokens=2)
 
@@ -22,10 +25,10 @@ def drain(location: str, worker_id: str, seed: int, start, opened, go, results) 
         from ppqa.store.db import open_db
 
         rng = random.Random(seed)
-        start.wait(timeout=120)
+        start.wait(timeout=BARRIER_S)
         db = open_db(location)  # all open (and so migrate) the blank store at the same moment
-        opened.wait(timeout=120)
-        go.wait(timeout=120)
+        opened.wait(timeout=BARRIER_S)
+        go.wait(timeout=BARRIER_S)
         claimed = []
         while True:
             jobs = queue.claim_jobs(db, worker_id, 120, max_jobs=rng.randint(1, 3))
@@ -51,14 +54,14 @@ def run_workers(location: str, add_job) -> tuple[list[int], dict[str, list[int]]
              for i in range(N_WORKERS)]
     for p in procs:
         p.start()
-    opened.wait(timeout=120)
+    opened.wait(timeout=BARRIER_S)
     from ppqa.store.db import open_db
 
     db = open_db(location)
     job_ids = [add_job(db, f"Document number {d}.", (f"Q{d}.{j}a?", f"Q{d}.{j}b?"),
                        name=f"doc{d}", priority=d % 3)
                for j in range(JOBS_PER_DOCUMENT) for d in range(N_DOCUMENTS)]
-    go.wait(timeout=120)
+    go.wait(timeout=BARRIER_S)
     by_worker = {}
     for _ in procs:
         worker_id, claimed, error = results.get(timeout=300)
