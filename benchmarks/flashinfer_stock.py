@@ -1,0 +1,108 @@
+"""FlashInfer's paged decode kernel as a second `stock` baseline, per layer, beside ours (issue 6).
+Written without a GPU at hand: not yet run; the first run says whether FlashInfer installs,
+compiles and agrees with our kernel.
+
+The device machine reaches no network, so FlashInfer travels as a source release (the 0.7.x
+wheel is 101 MB, over the 64 MiB a call may carry). Here:
+    python3 -m pip download --no-deps flashinfer-python==0.2.5 -d .fi   # 2.5 MB sdist
+    echo /.fi/ >> .git/info/exclude
+On the GPU machine (carry .fi; FlashInfer 0.2.x compiles its kernels with the machine's nvcc
+at first use, which takes minutes):
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/fi .fi/*.tar.gz
+    PYTHONPATH=$PWD:/tmp/fi python3 benchmarks/flashinfer_stock.py --out $OUT/flashinfer.json
+
+Cell: benchmarks/kernels.py's Grid (Q requests whose rows are [document][16-token question]
+[129 answer tokens]), our stock step through TritonBackend.forward (which first writes the new
+token's K/V), then FlashInfer's BatchDecodeWithPagedKVCacheWrapper over the same slots with page
+size 1 (our pool [slots, Hkv, D] viewed as NHD pages [slots, 1, Hkv, D]), with and without its
+tensor-core path. Reports ms (CUDA graph replays are not used: FlashInfer's plan is eager) and
+the largest difference from our output. Every failure is recorded, not raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernels import DEV, MODELS, Grid, bench  # noqa: E402
+
+
+def flashinfer_decode(grid: Grid, meta, tensor_cores: bool):
+    """A callable running FlashInfer's decode over the grid's stock rows (new token included)."""
+    import flashinfer
+
+    seq_len = meta.max_prefix_len + 1
+    rows = meta.req_to_token[:, :seq_len]
+    i32 = dict(device=DEV, dtype=torch.int32)
+    indptr = torch.arange(0, rows.numel() + 1, seq_len, **i32)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                            use_tensor_cores=tensor_cores)
+    wrapper.plan(indptr, rows.reshape(-1).contiguous(), torch.ones(grid.questions, **i32),
+                 grid.num_heads, grid.num_kv_heads, grid.head_dim, 1,
+                 q_data_type=grid.q.dtype, kv_data_type=grid.k.dtype)
+    cache = (grid.k.unsqueeze(1), grid.v.unsqueeze(1))
+    return lambda: wrapper.run(grid.q, cache)
+
+
+def cell(model: str, doc_len: int, questions: int) -> list[dict]:
+    grid = Grid(MODELS[model], doc_len, questions, torch.Generator().manual_seed(0))
+    backend, meta = grid.stock()
+    ours_ms, ours = grid.run(backend, meta)  # also writes the new token's K/V into its slot
+    rows = [{"model": model, "doc_tokens": doc_len, "questions": questions, "kernel": "ours",
+             "ms": round(ours_ms, 4)}]
+    for tensor_cores in (False, True):
+        row = {"model": model, "doc_tokens": doc_len, "questions": questions,
+               "kernel": f"flashinfer{' tensor-core' if tensor_cores else ''}"}
+        try:
+            run = flashinfer_decode(grid, meta, tensor_cores)
+            out = run().float()
+            row["max_abs_diff_vs_ours"] = round(float((out - ours).abs().max()), 5)
+            row["ms"] = round(bench(run), 4)
+        except Exception:  # noqa: BLE001: a failure to install, compile or run is the result
+            row["error"] = traceback.format_exc(limit=3)[-600:]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="flashinfer_stock.json")
+    parser.add_argument("--cells", default="16384x256,8192x64", help="LxQ,...")
+    args = parser.parse_args()
+    result = {"torch": torch.__version__, "triton": triton.__version__, "rows": []}
+    try:
+        import flashinfer
+        result["flashinfer"] = getattr(flashinfer, "__version__", "unknown")
+    except Exception:  # noqa: BLE001
+        result["import_error"] = traceback.format_exc(limit=2)[-600:]
+    if DEV != "cuda":
+        result["error"] = "no CUDA device: nothing to compare"
+    else:
+        for spec in args.cells.split(","):
+            doc_len, questions = map(int, spec.split("x"))
+            for model in MODELS:
+                result["rows"] += cell(model, doc_len, questions)
+                with open(args.out, "w") as fh:
+                    json.dump(result, fh, indent=1)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    for row in result["rows"]:
+        print(f"{row['model']:13} {row['doc_tokens']:6} {row['questions']:4} {row['kernel']:24} "
+              f"{row.get('ms', 'error'):>8} {row.get('max_abs_diff_vs_ours', '')}")
+        if "error" in row:
+            print("   ", row["error"].strip().splitlines()[-1])
+    for key in ("import_error", "error"):
+        if key in result:
+            print(key, result[key].strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main()
