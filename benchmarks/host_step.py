@@ -16,7 +16,7 @@ import torch
 from ppqa import Engine, SamplingParams
 from ppqa.config import EngineConfig
 
-HOST_STEPS = ("decode_step", "sampling_batch", "postprocess")
+HOST_STEPS = ("decode_step", "prefill_step", "postprocess")  # decode_step builds sampling rows too
 
 
 def main() -> None:

@@ -244,8 +244,9 @@ class Scheduler:
         batch, width = len(requests), requests[0].width
         pad = max(0, pad_to - batch)
         feed = [r.schedulable() for r in requests]
-        for req, mask in zip(requests, feed):
-            if req.prefix_len + int(mask.sum()) > req.doc_len + req.reserve_tokens:
+        counts = [int(mask.sum()) for mask in feed]
+        for req, count in zip(requests, counts):
+            if req.prefix_len + count > req.doc_len + req.slots.numel():  # the row's slots
                 raise RuntimeError(f"request row {req.row} would outgrow its KV reservation")
         prefix = torch.tensor([r.prefix_len for r in requests] + [0] * pad)
         dummy = [np.zeros(width, dtype=np.int64)] * pad
@@ -275,8 +276,7 @@ class Scheduler:
         sampling = self._sampling(requests, None, pad * width)
         step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling,
                            list(range(0, batch * width, width)), feed)
-        for req, mask, base in zip(requests, feed, step.bases):
-            count = int(mask.sum())
+        for req, mask, count, base in zip(requests, feed, counts, step.bases):
             req.prefix_len += count
             req.next_pos += mask
             req.num_out += mask

@@ -213,3 +213,12 @@ def needs_int64(pool: torch.Tensor) -> bool:
     """Whether element offsets into a pool buffer can pass 2^31 (then kernels index in int64;
     int32 offsets save registers, e.g. 255 -> 203 in the GQA decode kernel)."""
     return pool.numel() >= 2**31
+
+
+def row_splits(programs: int, max_keys: int, device: torch.device, split_cap: int,
+               tiles: Tiles, contiguous: bool) -> int:
+    """The split count of a kernel reading KV rows: `wave_splits` for the contiguous-document
+    variants (their tiles tell how many CTAs share an SM), else `choose_splits`."""
+    if contiguous:
+        return wave_splits(programs, max_keys, device, split_cap, resident_ctas(tiles))
+    return choose_splits(programs, max_keys, device, split_cap)

@@ -135,10 +135,7 @@ def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_head
     cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
     cap = max(1, cap - reserved_states)
     programs = m_tiles * num_kv_heads * num_groups
-    if contiguous:
-        return _arch.wave_splits(programs, max_doc_len, device, cap,
-                                 _arch.resident_ctas(tiles))
-    return _arch.choose_splits(programs, max_doc_len, device, cap)
+    return _arch.row_splits(programs, max_doc_len, device, cap, tiles, contiguous)
 
 
 def launch_shared_prefix(

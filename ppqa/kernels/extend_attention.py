@@ -174,10 +174,7 @@ def extend_splits(device: torch.device, dtype: torch.dtype, batch: int, num_toke
                                 contiguous=contiguous)
     cap = scratch.max_states(num_tokens, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
     programs = batch * num_kv_heads * m_tiles
-    if contiguous:
-        return _arch.wave_splits(programs, max_prefix_len, device, cap,
-                                 _arch.resident_ctas(tiles))
-    return _arch.choose_splits(programs, max_prefix_len, device, cap)
+    return _arch.row_splits(programs, max_prefix_len, device, cap, tiles, contiguous)
 
 
 def extend_attention(
