@@ -44,6 +44,7 @@ DTYPE = torch.bfloat16
 # --smoke runs tiny shapes on the CPU under TRITON_INTERPRET=1 to check this script's plumbing.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GRAPHS = False  # --graphs
+GATHER = False  # --gather: no contiguous-document hints
 
 
 def bench(fn, warmup: int = 10, rep: int = 60) -> float:
@@ -111,7 +112,11 @@ class Grid:
             req_indices=torch.arange(batch, **i32), kv_start=torch.full((batch,), kv_start, **i32),
             prefix_lens=torch.full((batch,), prefix, **i32), req_to_token=table,
             logit_indices=torch.arange(out_slots.numel(), device=DEV),
-            max_extend_len=int(qo_indptr.diff().max()), max_prefix_len=prefix, cascade=cascade)
+            max_extend_len=int(qo_indptr.diff().max()), max_prefix_len=prefix, cascade=cascade,
+            # The document is the slot run 1..L, as the engine's allocator lays it out; the
+            # engine passes these hints (--gather: without them, every slot through the table).
+            doc_start=None if GATHER else torch.ones(batch, **i32),
+            doc_len=None if GATHER else torch.full((batch,), self.doc_len, **i32))
 
     def stock(self, cascade: bool = False):
         rows = torch.cat([self.doc.expand(self.questions, -1), self.own], dim=1).contiguous()
@@ -121,7 +126,8 @@ class Grid:
         if cascade:
             casc = CascadeMetadata(torch.tensor([0, self.questions], **i32),
                                    torch.zeros(1, **i32), torch.tensor([self.doc_len], **i32),
-                                   max_group_size=self.questions, max_doc_len=self.doc_len)
+                                   max_group_size=self.questions, max_doc_len=self.doc_len,
+                                   doc_starts=torch.ones(1, **i32), contiguous=not GATHER)
         meta = self._meta("decode", rows, prefix, torch.arange(self.questions + 1, **i32),
                           torch.zeros(self.questions, **i32), self.own[:, -1],
                           self.doc_len if cascade else 0, casc)
@@ -213,7 +219,8 @@ def cell(model: str, doc_len: int, questions: int, gen) -> list[dict]:
     casc = meta.cascade
     doc_ms = bench(lambda: launch_shared_prefix(
         grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr, casc.doc_req_indices,
-        casc.doc_lens, casc.max_group_size, backend.sm_scale, plan.prefix_splits, *part))
+        casc.doc_lens, casc.max_group_size, backend.sm_scale, plan.prefix_splits, *part,
+        doc_starts=backend._doc_starts(casc)))
     out.append(figures(grid, "cascade_document", doc_ms) | {"splits": plan.prefix_splits})
     for shared in (True, False):
         name = "sdpa_shared" if shared else "sdpa_per_question"
@@ -285,6 +292,8 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     parser.add_argument("--graphs", action="store_true",
                         help="time CUDA graph replays of each mode's step (not yet run)")
+    parser.add_argument("--gather", action="store_true",
+                        help="pass no contiguous-document hints: every kernel gathers its slots")
     parser.add_argument("--sweep-prefix", action="store_true",
                         help="only the contiguous shared-prefix sweep (16k/256)")
     parser.add_argument("--sweep-extend", action="store_true",
@@ -294,15 +303,16 @@ def main() -> None:
     if args.out is None:
         name = "kernels_contig_sweep.json" if contig else "kernels_h200.json"
         args.out = os.path.join(os.path.dirname(default_out), name)
-    global GRAPHS
+    global GRAPHS, GATHER
     GRAPHS = args.graphs and DEV == "cuda"
+    GATHER = args.gather
     if args.smoke:
         MODELS.update({"codellama-7b": (4, 4, 16), "qwen2.5-7b": (6, 2, 16)})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "commit": commit or "unknown",
               "command": " ".join(["python benchmarks/kernels.py", *sys.argv[1:]]),
-              "graphs": GRAPHS,
+              "graphs": GRAPHS, "contiguous_hints": not GATHER,
               "torch": torch.__version__, "triton": triton.__version__,
               "calibration": calibrate(), "rows": []}
     gen = torch.Generator().manual_seed(0)

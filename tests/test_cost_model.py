@@ -44,3 +44,18 @@ def test_stock_attention_grows_with_questions_and_document():
     a = cm.attention_seconds(cfg, work(8192, 64), "stock", 1, GPU)
     assert cm.attention_seconds(cfg, work(16384, 64), "stock", 1, GPU) == pytest.approx(2 * a, rel=0.02)
     assert cm.attention_seconds(cfg, work(8192, 128), "stock", 1, GPU) == pytest.approx(2 * a)
+
+
+# Run 3 on the H200 (benchmarks/results/h200/run3/*.json): every cell, model, doc, questions,
+# answer tokens; cascade was the fastest mode on each, 1.04x over stock on the smallest.
+RUN3_CELLS = [("codellama-7b", d, q, 128) for d in (8192, 16384) for q in (64, 128, 256)] + [
+    ("qwen2.5-7b", 8192, 64, 128), ("qwen2.5-7b", 16384, 256, 128),
+    ("codellama-7b", 512, 16, 128), ("qwen2.5-1.5b", 8192, 64, 128),
+    ("codellama-7b", 8192, 128, 512), ("codellama-7b", 8192, 128, 1024)]
+
+
+@pytest.mark.parametrize("model,doc,questions,answer", RUN3_CELLS)
+def test_auto_picks_the_mode_measured_fastest_on_the_h200(model, doc, questions, answer):
+    """The byte tokenizer of the dummy presets makes each benchmark question ~60 tokens."""
+    mode, _, _ = cm.choose(preset_config(model), work(doc, questions, answer, question=60), GPU, MODES)
+    assert mode == "cascade"
