@@ -1,7 +1,9 @@
-"""The contiguous-document sweeps of `benchmarks/kernels.py` (--sweep-prefix, --sweep-extend).
+"""The contiguous-document sweeps of `benchmarks/kernels.py` (--sweep-prefix, --sweep-extend,
+--sweep-decode).
 
 For one cell (16k/256 on the H200), the document read at affine addresses
-(launch_shared_prefix(doc_starts=...), extend_attention(doc_start=, doc_len=)) over CONTIG_SWEEP
+(launch_shared_prefix(doc_starts=...), extend_attention / decode_attention(doc_start=, doc_len=))
+over CONTIG_SWEEP
 tiles x CONTIG_SPLITS, against the gather variant at its defaults and SDPA's shared read; each
 timed as CUDA graph replays with its merge, each checked against the gather output.
 kernels.py builds the cell (its Grid) and writes the JSON; benchmarks/compile_check.py --sweep
@@ -14,6 +16,7 @@ import torch
 
 from ppqa.kernels._arch import Tiles
 from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits
+from ppqa.kernels.decode_attention import decode_attention
 from ppqa.kernels.extend_attention import extend_attention
 from ppqa.kernels.merge import merge_partials
 
@@ -25,13 +28,17 @@ CONTIG_SWEEP = {
                (128, 128, 8, 2), (64, 32, 4, 3)],
     "extend": [(64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
                (64, 64, 8, 3), (32, 64, 8, 2)],
+    # the stock decode (one query per question): run 3 left Qwen's GQA decode at 1.05 ms vs
+    # SDPA per question 0.79 with 1 split (1,024 programs); NOTES.md has the reading
+    "decode": [(16, 64, 4, 2), (16, 32, 4, 2), (16, 64, 4, 3), (16, 128, 8, 2), (16, 32, 2, 3)],
 }
-CONTIG_SPLITS = {"prefix": [None, 1, 4, 8], "extend": [None, 1, 4]}
+CONTIG_SPLITS = {"prefix": [None, 1, 4, 8], "extend": [None, 1, 4], "decode": [None, 1, 2, 3, 4]}
 
 
 def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
     """"prefix": the cascade document part (all questions against the document, one group);
-    "extend": the parallel P=32 step. `grid`: kernels.py's Grid of one cell, which puts the
+    "extend": the parallel P=32 step; "decode": the stock step (one request per question, the
+    document hints as the engine passes them). `grid`: kernels.py's Grid of one cell, which puts the
     document at slots 1..L (doc_start = 1); bench_replay times a CUDA graph replay.
     doc_TFLOPs counts the document part's useful FLOPs only; splits None = the planner's."""
     doc_len, questions, dev = grid.doc_len, grid.questions, grid.q.device
@@ -55,6 +62,20 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
                                  splits, *part, tiles=tiles,
                                  doc_starts=doc_starts if contiguous else None)
             merge_partials(*part, o)
+            return o
+    elif kernel == "decode":
+        backend, meta = grid.stock()
+        doc = dict(doc_start=torch.ones(questions, **i32),
+                   doc_len=torch.full((questions,), doc_len, **i32))
+        flops = 4 * grid.head_dim * grid.num_heads * questions * meta.max_prefix_len
+
+        def run(splits, tiles=None, contiguous=False):
+            part = None if (splits or 2) == 1 else backend.scratch  # the backend's own scratch
+            decode_attention(grid.q, o, grid.k, grid.v, meta.req_to_token, meta.req_indices,
+                             meta.kv_start, meta.prefix_lens, backend.sm_scale,
+                             max_seq_len=meta.max_prefix_len + 1, num_splits=splits,
+                             scratch=part, seq_len_offset=1, tiles=tiles,
+                             **(doc if contiguous else {}))
             return o
     else:
         backend, meta = grid.parallel(32)
@@ -82,11 +103,13 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
         except Exception as e:  # a variant that does not compile or fit is a result too
             row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
         rows.append(row)
+    shared = kernel != "decode"  # the stock decode's SDPA counterpart reads per question
     try:
-        row = {"ms": round(grid.sdpa(shared=True, timer=bench_replay), 4)}
+        row = {"ms": round(grid.sdpa(shared=shared, timer=bench_replay), 4)}
     except (RuntimeError, torch.OutOfMemoryError) as e:
         row = {"error": str(e)[:160]}
-    rows.append({"mode": f"contig_{kernel}", "variant": "sdpa_shared"} | row)
+    rows.append({"mode": f"contig_{kernel}",
+                 "variant": "sdpa_shared" if shared else "sdpa_per_question"} | row)
     for row in rows:
         row.update(model=model, doc_tokens=doc_len, questions=questions)
     return rows
@@ -98,7 +121,7 @@ def print_contig(rows: list[dict]) -> None:
           f"{'x gather':>8} {'TFLOP/s':>8} diff")
     for r in rows:
         base, ms = gather.get((r["model"], r["mode"])), r.get("ms")
-        splits = "" if r["variant"] == "sdpa_shared" else r.get("splits") or "plan"
+        splits = "" if r["variant"].startswith("sdpa") else r.get("splits") or "plan"
         print(f"{r['model']:13} {r['mode']:14} {r['variant']:11} {str(r.get('tiles') or ''):>17} "
               f"{splits:>6} {ms or r.get('error'):>8} {base / ms if ms and base else '':>8.4} "
               f"{r.get('doc_TFLOPs', ''):>8} {r.get('max_abs_diff_vs_gather', '')}")

@@ -286,7 +286,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     default_out = os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json")
     parser.add_argument("--out", default=None, help=f"JSON path (default {default_out}, or "
-                        "kernels_contig_sweep.json beside it with --sweep-prefix/--sweep-extend)")
+                        "kernels_contig_sweep.json beside it with --sweep-prefix/-extend/-decode)")
     parser.add_argument("--quick", action="store_true", help="16k/256 cells only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
@@ -296,10 +296,13 @@ def main() -> None:
                         help="pass no contiguous-document hints: every kernel gathers its slots")
     parser.add_argument("--sweep-prefix", action="store_true",
                         help="only the contiguous shared-prefix sweep (16k/256)")
+    parser.add_argument("--sweep-decode", action="store_true",
+                        help="only the stock decode sweep, splits x tiles with the document hints (16k/256)")
     parser.add_argument("--sweep-extend", action="store_true",
                         help="only the contiguous extend sweep (16k/256, P=32)")
     args = parser.parse_args()
-    contig = [k for k, on in (("prefix", args.sweep_prefix), ("extend", args.sweep_extend)) if on]
+    contig = [k for k, on in (("prefix", args.sweep_prefix), ("extend", args.sweep_extend),
+                              ("decode", args.sweep_decode)) if on]
     if args.out is None:
         name = "kernels_contig_sweep.json" if contig else "kernels_h200.json"
         args.out = os.path.join(os.path.dirname(default_out), name)
