@@ -18,17 +18,23 @@ REPORT = dict(device="cpu", model="none", mode="stock", wall_seconds=0.01, quest
               prompt_tokens=10, answer_tokens=2)
 
 
-def drain(location: str, worker_id: str, seed: int, start, opened, go, results) -> None:
-    """One worker process: open the store, wait for the jobs, claim and answer until empty."""
+def drain(location: str, worker_id: str, seed: int, start, go, results) -> None:
+    """One worker process: open the store, wait for the jobs, claim and answer until empty.
+    Reports ("opened", id, None) once the store is open, then ("done", id, claimed) or, on any
+    error, ("error", id, repr) after breaking the start barrier, if it has not passed it, so
+    no sibling waits there for it."""
+    started = False
     try:
         from ppqa.store import queue
         from ppqa.store.db import open_db
 
         rng = random.Random(seed)
         start.wait(timeout=BARRIER_S)
+        started = True
         db = open_db(location)  # all open (and so migrate) the blank store at the same moment
-        opened.wait(timeout=BARRIER_S)
-        go.wait(timeout=BARRIER_S)
+        results.put(("opened", worker_id, None))
+        if not go.wait(timeout=BARRIER_S):
+            raise TimeoutError("the jobs were never added")
         claimed = []
         while True:
             jobs = queue.claim_jobs(db, worker_id, 120, max_jobs=rng.randint(1, 3))
@@ -41,32 +47,44 @@ def drain(location: str, worker_id: str, seed: int, start, opened, go, results) 
                                         worker_id=worker_id)
                 assert queue.finish_job(db, job.job_id, worker_id, REPORT) == "done"
         db.close()
-        results.put((worker_id, claimed, None))
+        results.put(("done", worker_id, claimed))
     except BaseException as exc:  # report instead of dying silently
-        results.put((worker_id, [], repr(exc)))
+        if not started:
+            start.abort()
+        results.put(("error", worker_id, repr(exc)))
+
+
+def collect(results, procs, kind: str) -> dict[str, object]:
+    """One `kind` message from every worker; the first worker error fails the test at once
+    (a worker that died used to leave the others, and this process, waiting on a barrier)."""
+    got = {}
+    while len(got) < len(procs):
+        what, worker_id, payload = results.get(timeout=BARRIER_S)
+        if what == "error":
+            for p in procs:
+                p.terminate()
+            pytest.fail(f"{worker_id} failed: {payload}")
+        assert what == kind, (what, worker_id)
+        got[worker_id] = payload
+    return got
 
 
 def run_workers(location: str, add_job) -> tuple[list[int], dict[str, list[int]]]:
     ctx = multiprocessing.get_context("spawn")
-    start, opened, go = ctx.Barrier(N_WORKERS), ctx.Barrier(N_WORKERS + 1), ctx.Barrier(N_WORKERS + 1)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=drain, args=(location, f"w{i}", i, start, opened, go, results))
+    start, go, results = ctx.Barrier(N_WORKERS), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=drain, args=(location, f"w{i}", i, start, go, results))
              for i in range(N_WORKERS)]
     for p in procs:
         p.start()
-    opened.wait(timeout=BARRIER_S)
+    collect(results, procs, "opened")
     from ppqa.store.db import open_db
 
     db = open_db(location)
     job_ids = [add_job(db, f"Document number {d}.", (f"Q{d}.{j}a?", f"Q{d}.{j}b?"),
                        name=f"doc{d}", priority=d % 3)
                for j in range(JOBS_PER_DOCUMENT) for d in range(N_DOCUMENTS)]
-    go.wait(timeout=BARRIER_S)
-    by_worker = {}
-    for _ in procs:
-        worker_id, claimed, error = results.get(timeout=300)
-        assert error is None, f"{worker_id} failed: {error}"
-        by_worker[worker_id] = claimed
+    go.set()
+    by_worker = collect(results, procs, "done")
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import insert, text
 from sqlalchemy.exc import IntegrityError
 
+from ppqa.store import db as store_db
 from ppqa.store.db import open_db, resolve_url
 from ppqa.store.errors import DatabaseUnavailable
 from ppqa.store.models import Question
@@ -31,6 +32,46 @@ def test_sqlite_is_set_up_for_many_processes(sqlite_db):
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
     with pytest.raises(IntegrityError), sqlite_db.write() as conn:
         conn.execute(insert(Question).values(job_id=12345, position=0, custom_id="1", text="?"))
+
+
+class _LockedCursor:
+    """Answers PRAGMA journal_mode = WAL with `errors` in turn, then runs it on a real cursor.
+    Several processes opening one new file together made SQLite answer "database is locked"
+    at once, busy handler or not (about 1 open in 160 here: tests/test_queue_concurrency.py hung
+    on it); that race cannot be produced on demand, so this stands in for it."""
+
+    def __init__(self, cursor, errors):
+        self.cursor, self.errors, self.calls = cursor, list(errors), 0
+
+    def execute(self, sql):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return self.cursor.execute(sql)
+
+
+def test_wal_switch_retries_a_locked_file(tmp_path):
+    conn = sqlite3.connect(tmp_path / "new.db", isolation_level=None)
+    locked = sqlite3.OperationalError("database is locked")
+    cursor = _LockedCursor(conn.cursor(), [locked, locked])
+    store_db._enable_wal(cursor)
+    assert cursor.calls == 3
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    other = _LockedCursor(conn.cursor(), [sqlite3.OperationalError("disk I/O error")])
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):  # not a lock: no retry
+        store_db._enable_wal(other)
+    assert other.calls == 1
+    conn.close()
+
+
+def test_wal_switch_gives_up_after_the_busy_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_db, "BUSY_TIMEOUT_MS", 60)
+    conn = sqlite3.connect(tmp_path / "new.db", isolation_level=None)
+    cursor = _LockedCursor(conn.cursor(), [sqlite3.OperationalError("database is locked")] * 1000)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        store_db._enable_wal(cursor)
+    assert 1 < cursor.calls < 1000
+    conn.close()
 
 
 def test_write_transactions_take_the_lock_up_front(sqlite_db, sqlite_path):
