@@ -3,9 +3,9 @@
 
 For one cell (16k/256 on the H200), the document read at affine addresses
 (launch_shared_prefix(doc_starts=...), extend_attention / decode_attention(doc_start=, doc_len=))
-over CONTIG_SWEEP
-tiles x CONTIG_SPLITS, against the gather variant at its defaults and SDPA's shared read; each
-timed as CUDA graph replays with its merge, each checked against the gather output.
+over CONTIG_SWEEP tiles x CONTIG_SPLITS, against the gather variant at its defaults and SDPA
+(its shared read; per question for the decode); each timed as CUDA graph replays with its
+merge, each checked against the gather output.
 kernels.py builds the cell (its Grid) and writes the JSON; benchmarks/compile_check.py --sweep
 compiles the same tiles.
 """
@@ -70,11 +70,10 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
         flops = 4 * grid.head_dim * grid.num_heads * questions * meta.max_prefix_len
 
         def run(splits, tiles=None, contiguous=False):
-            part = None if (splits or 2) == 1 else backend.scratch  # the backend's own scratch
             decode_attention(grid.q, o, grid.k, grid.v, meta.req_to_token, meta.req_indices,
                              meta.kv_start, meta.prefix_lens, backend.sm_scale,
                              max_seq_len=meta.max_prefix_len + 1, num_splits=splits,
-                             scratch=part, seq_len_offset=1, tiles=tiles,
+                             scratch=backend.scratch, seq_len_offset=1, tiles=tiles,
                              **(doc if contiguous else {}))
             return o
     else:

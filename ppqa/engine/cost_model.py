@@ -19,7 +19,7 @@ within the model's error (one question, tiny documents) rather than betting on n
 MIN_GAIN was 1.10 until run 3 on the H200 (benchmarks/README.md): a 512-token document with 16
 questions on codellama-7b was predicted 1.06x for cascade, so auto ran stock, while cascade
 measured 1.04x faster (0.712 vs 0.743 s); auto == stock there is a coin toss (0.98x, one slow
-run). Over the twelve run-3 cells the model's stock/cascade ratio was within -15%..+11% of the
+run). Over the thirteen run-3 cells the model's stock/cascade ratio was within -15%..+11% of the
 measured one and never predicted a gain where cascade lost.
 """
 
