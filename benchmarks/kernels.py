@@ -5,7 +5,8 @@ Workload (the paper's grid): a document of L tokens, Q questions of 16 tokens, 1
 tokens already generated, so this step is answer token 129. All modes read the same KV slots:
   stock     Q requests, row [doc][q_i][a_i], one new token each (decode kernel);
   parallel  Q/P requests of P streams, row [doc][q..][a1_1..a1_P]..., P new tokens (extend);
-  cascade   the stock rows, document once per step for all Q queries + per-request suffix.
+  cascade   the stock rows, document once per step for all Q queries + per-request suffix
+            (cascade_serial: the two launches one after the other, no side stream).
 For each: the median time (triton.testing.do_bench, L2 flushed between runs), the floor
 max(unique KV bytes / 4.3 TB/s, useful FLOPs / 790 TFLOP/s), the bytes the kernel reads
 (repeats counted: L2 may serve some) and the achieved rates. Writes JSON after every cell and
@@ -187,7 +188,7 @@ def figures(grid: Grid, name: str, ms: float, streams: int | None = None) -> dic
         read = Q * (L + per) * grid.kv_token_bytes
     elif name == "parallel":
         read = (Q // streams) * (L + per * streams) * grid.kv_token_bytes
-    elif name == "cascade":
+    elif name in ("cascade", "cascade_serial"):
         read = unique
     else:  # sdpa_shared / cascade_document: the document part only
         read = unique = L * grid.kv_token_bytes
@@ -214,6 +215,10 @@ def cell(model: str, doc_len: int, questions: int, gen) -> list[dict]:
     backend, meta = grid.stock(cascade=True)
     ms, result = grid.run(backend, meta)
     out.append(figures(grid, "cascade", ms) | agrees(result))
+    backend.overlap = False  # the document part and the suffix one after the other
+    ms, result = grid.run(backend, meta)
+    out.append(figures(grid, "cascade_serial", ms) | agrees(result))
+    backend.overlap = True
     plan = backend.plan(meta)
     part = backend.scratch.views(questions, grid.num_heads, plan.prefix_splits, grid.head_dim)
     casc = meta.cascade

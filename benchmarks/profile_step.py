@@ -29,6 +29,7 @@ from ppqa.engine import engine as engine_module
 from ppqa.engine.graph_runner import GraphCache
 from ppqa.engine.runner import ModelRunner
 from ppqa.engine.scheduler import Scheduler
+from ppqa.engine.triton_backend import TritonBackend
 
 HOST_PHASES = {
     Scheduler: ("decode_step", "postprocess", "prefill_step", "admit"),
@@ -177,7 +178,10 @@ def main() -> None:
     parser.add_argument("--modes", default="cascade,parallel")
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--out", default="profile_step.json")
+    parser.add_argument("--serial-cascade", action="store_true",
+                        help="cascade decode without the side stream (document part, then suffix)")
     args = parser.parse_args()
+    TritonBackend.overlap = not args.serial_cascade
 
     t0 = time.perf_counter()
     engine = Engine(args.model, config=EngineConfig(cuda_graphs=torch.cuda.is_available()))

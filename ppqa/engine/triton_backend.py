@@ -9,7 +9,9 @@ batch shape, the metadata's maxima and the SM count. Per layer, `forward`:
      "decode" (stock): `decode_attention` over row[kv_start, prefix_len + 1);
      "decode" with meta.cascade: the suffix row[doc_len, prefix_len + 1) per request
      (decode kernel) and the group's document (shared-prefix kernel) each write partial states
-     into one preallocated buffer, which one merge launch reduces to the output;
+     into one preallocated buffer, which one merge launch reduces to the output. On a GPU the
+     document part runs on a side stream beside the suffix (`overlap`): one is bound by tensor
+     cores, the other by memory, and CUDA graph capture keeps the fork and join as edges;
      "extend" with meta.cascade (cascade question prefill): the shared-prefix kernel over the
      group's question tokens, the extend kernel from kv_start, merged by their lse.
 Partial states live in a `PartialScratch` allocated once, so split launches allocate nothing
@@ -19,6 +21,7 @@ Under TRITON_INTERPRET=1 the same code runs on CPU tensors (slowly), which the t
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _no_stream
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +48,10 @@ class StepPlan:
 
 
 class TritonBackend:
+    # Cascade decode: the document product on a side stream, concurrent with the suffix decode
+    # (GPU only; benchmarks set it False on an instance or the class to time the serial order).
+    overlap = True
+
     def __init__(self, pool, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
                  scratch_bytes: int | None = None) -> None:
         if num_heads % num_kv_heads:
@@ -60,6 +67,7 @@ class TritonBackend:
         self.scratch = PartialScratch(scratch_bytes // 4, self.device)
         self._meta: ForwardMetadata | None = None
         self._plan = StepPlan(1)
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def init_forward_metadata(self, meta: ForwardMetadata) -> None:
         self._plan = self.plan(meta)
@@ -141,15 +149,23 @@ class TritonBackend:
 
     def _cascade(self, q, o, k_buf, v_buf, meta: ForwardMetadata, plan: StepPlan) -> None:
         """Suffix states [0, splits) and document states [splits, splits + prefix_splits) of
-        one buffer, then a single merge."""
+        one buffer, then a single merge. With `overlap`, the document launch goes first on the
+        side stream (its CTAs are the long ones) and the merge waits for both."""
         casc = meta.cascade
         states = plan.splits + plan.prefix_splits
         part_o, part_lse = self.scratch.views(q.shape[0], self.num_heads, states, self.head_dim)
+        side = self._side if self.overlap else None
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        if side is not None:
+            side.wait_stream(main)  # q and the K/V store are ready
+        with torch.cuda.stream(side) if side is not None else _no_stream():
+            launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
+                                 casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
+                                 self.sm_scale, plan.prefix_splits, part_o, part_lse,
+                                 state_offset=plan.splits, doc_starts=self._doc_starts(casc))
         launch_decode(q, k_buf, v_buf, meta.req_to_token, meta.req_indices, meta.kv_start,
                       meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,
                       part_lse=part_lse, seq_len_offset=1)
-        launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
-                             casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
-                             self.sm_scale, plan.prefix_splits, part_o, part_lse,
-                             state_offset=plan.splits, doc_starts=self._doc_starts(casc))
+        if side is not None:
+            main.wait_stream(side)
         merge_partials(part_o, part_lse, o)
