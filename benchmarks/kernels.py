@@ -303,6 +303,8 @@ def main() -> None:
                         help="only the contiguous shared-prefix sweep (16k/256)")
     parser.add_argument("--sweep-decode", action="store_true",
                         help="only the stock decode sweep, splits x tiles with the document hints (16k/256)")
+    parser.add_argument("--cell", default=None, metavar="L/Q",
+                        help="the --sweep-* cell, e.g. 8192/64 (default 16384/256)")
     parser.add_argument("--sweep-extend", action="store_true",
                         help="only the contiguous extend sweep (16k/256, P=32)")
     args = parser.parse_args()
@@ -331,9 +333,10 @@ def main() -> None:
     if contig:
         from kernel_sweeps import contig_sweep, print_contig  # this script's folder is on sys.path
 
+        doc_len, questions = map(int, args.cell.split("/")) if args.cell else (docs[-1], qs[-1])
         for kernel in contig:
             for model in MODELS:
-                grid = Grid(MODELS[model], docs[-1], qs[-1], gen)
+                grid = Grid(MODELS[model], doc_len, questions, gen)
                 result["rows"] += contig_sweep(kernel, grid, model, bench_replay, args.smoke)
                 with open(args.out, "w") as f:
                     json.dump(result, f, indent=1)

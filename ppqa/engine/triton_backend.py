@@ -67,7 +67,10 @@ class TritonBackend:
         self.scratch = PartialScratch(scratch_bytes // 4, self.device)
         self._meta: ForwardMetadata | None = None
         self._plan = StepPlan(1)
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # High priority: the block scheduler then places the document product's few long CTAs
+        # before the suffix's many short ones, which fill the room left beside them.
+        self._side = (torch.cuda.Stream(self.device, priority=-1)
+                      if self.device.type == "cuda" else None)
 
     def init_forward_metadata(self, meta: ForwardMetadata) -> None:
         self._plan = self.plan(meta)
