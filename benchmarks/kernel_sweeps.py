@@ -30,11 +30,12 @@ CONTIG_SWEEP = {
                (64, 64, 8, 3), (32, 64, 8, 2)],
     # the stock decode (one query per question): run 3 left Qwen's GQA decode at 1.05 ms vs
     # SDPA per question 0.79 with 1 split (1,024 programs); run 4 call 1 found 2 warps x 32 keys
-    # x 3 stages at 3 splits best of five tiles (0.97 ms; CodeLlama 7.36 vs 8.18); NOTES.md
-    "decode": [(16, 64, 4, 2), (16, 32, 2, 3), (16, 64, 2, 3), (16, 32, 2, 4), (16, 64, 2, 2),
-               (16, 128, 4, 2), (16, 32, 1, 3)],
+    # x 3 stages at 3 splits best of five tiles (0.97 ms; CodeLlama 7.36 vs 8.18), call 2 one
+    # warp x 32 keys x 3 stages (0.90 / 6.57 ms; now the default); call 3 sweeps around it
+    "decode": [(16, 32, 1, 3), (16, 32, 1, 4), (16, 64, 1, 3), (16, 16, 1, 4), (16, 32, 1, 2),
+               (16, 64, 1, 2), (16, 64, 4, 2)],
 }
-CONTIG_SPLITS = {"prefix": [None, 1, 4, 8], "extend": [None, 1, 4], "decode": [None, 1, 2, 3, 4, 6]}
+CONTIG_SPLITS = {"prefix": [None, 1, 4, 8], "extend": [None, 1, 4], "decode": [None, 1, 3, 4, 6, 8]}
 
 
 def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:

@@ -84,7 +84,7 @@ class TritonBackend:
                                           meta.max_prefix_len, self.scratch))
         # A decode row ends at prefix_len + 1; for cascade that bounds the suffix as well.
         splits = decode_splits(self.device, meta.batch_size, *heads, meta.max_prefix_len + 1,
-                               self.scratch)
+                               self.scratch, whole_rows=meta.cascade is None)
         if meta.cascade is None:
             return StepPlan(splits)
         casc = meta.cascade

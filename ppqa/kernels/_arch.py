@@ -19,6 +19,7 @@ import triton.language as tl
 INTERPRETER_SMS = 4  # small, so the CPU tests split rows the way a GPU would at large sizes
 MIN_SPLIT_TOKENS = 256  # a split must read at least this many keys to pay for its reduction
 MAX_SPLITS = 64
+DECODE_PIECE_KEYS = 4096  # decode_row_splits: the longest piece of a stock decode row
 WAVE_FILL = 0.9  # wave_splits: the share of the last wave's SM slots that must hold a program
 
 
@@ -105,12 +106,18 @@ def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
     On a GPU even MHA (one query row) takes the tl.dot path with 16 rows: the multiply-and-sum
     version reduced across warps every key tile and ran at 3.9 TB/s of requested bytes with no
     L2 reuse (17.9 ms at 16k/256, run 2). The interpreter keeps the one-row path tested too.
+    bf16/fp16 on sm_90 (run 4 sweep, graph replays, document hints, 16k/256 and 8k/64): one
+    warp x 32 keys x 3 stages was the fastest of 12 tiles on both models and both cells
+    (CodeLlama 16k/256 6.57 ms vs 8.18 for 16 x 64 x 4 warps x 2 stages; Qwen2.5 0.90 vs 1.04):
+    the read is L2-bound (the requests share the document's lines), and many small CTAs keep
+    more independent loads in flight than a few wide ones.
     """
     if not is_gpu(device):
         return Tiles(1 if group == 1 else max(16, triton.next_power_of_2(group)), 128, 4, 1)
     block_m = max(16, triton.next_power_of_2(group))
-    block_n = 32 if dtype == torch.float32 else 64
-    return Tiles(block_m, block_n, 4, 2)
+    if dtype == torch.float32:
+        return Tiles(block_m, 32, 4, 2)
+    return Tiles(block_m, 32, 1, 3)
 
 
 def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
@@ -165,6 +172,19 @@ def choose_splits(
     splits = triton.cdiv(target, max(programs, 1))
     splits = min(splits, triton.cdiv(max_keys, MIN_SPLIT_TOKENS), split_cap, MAX_SPLITS)
     return max(1, splits)
+
+
+def decode_row_splits(programs: int, max_keys: int, device: torch.device,
+                      split_cap: int = MAX_SPLITS) -> int:
+    """Splits of a stock decode row: choose_splits' fill, and pieces of at most
+    DECODE_PIECE_KEYS keys even when the requests alone fill the GPU. Run 4 sweep (H200, one
+    warp x 32 keys): 1 -> 4-6 splits took CodeLlama 16k/256 6.82 -> 6.59 ms, Qwen2.5 1.02 ->
+    0.90, CodeLlama 8k/64 0.91 -> 0.88; shorter pieces shorten the last wave's tail."""
+    fill = choose_splits(programs, max_keys, device, split_cap)
+    if not is_gpu(device):
+        return fill
+    pieces = min(triton.cdiv(max_keys, DECODE_PIECE_KEYS), split_cap, MAX_SPLITS)
+    return max(fill, pieces, 1)
 
 
 def wave_splits(

@@ -107,9 +107,15 @@ def _decode_kernel(
 
 
 def decode_splits(device: torch.device, batch: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, max_seq_len: int, scratch: PartialScratch | None = None) -> int:
-    """The split count decode_attention picks: fill the SMs, >= MIN_SPLIT_TOKENS keys a piece."""
+                  head_dim: int, max_seq_len: int, scratch: PartialScratch | None = None,
+                  whole_rows: bool = True) -> int:
+    """The split count decode_attention picks: fill the SMs, >= MIN_SPLIT_TOKENS keys a piece,
+    and with whole_rows (a stock row, read from its start) pieces of at most
+    _arch.DECODE_PIECE_KEYS. The cascade suffix passes False: its bound is the whole row, but it
+    reads only the row's tail."""
     cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
+    if whole_rows:
+        return _arch.decode_row_splits(batch * num_kv_heads, max_seq_len, device, cap)
     return _arch.choose_splits(batch * num_kv_heads, max_seq_len, device, cap)
 
 
