@@ -106,8 +106,9 @@ def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
     On a GPU even MHA (one query row) takes the tl.dot path with 16 rows: the multiply-and-sum
     version reduced across warps every key tile and ran at 3.9 TB/s of requested bytes with no
     L2 reuse (17.9 ms at 16k/256, run 2). The interpreter keeps the one-row path tested too.
-    bf16/fp16 on sm_90 (run 4 sweep, graph replays, document hints, 16k/256 and 8k/64): one
-    warp x 32 keys x 3 stages was the fastest of 12 tiles on both models and both cells
+    bf16/fp16 on sm_90 (run 4 sweeps, graph replays, document hints): one warp x 32 keys x 3
+    stages was the fastest of 7 tiles at 16k/256 and 8k/64 on both models, and within 2-3% of
+    the best of 7 more one-warp tiles at 16k/256 (16 keys x 4 stages: 6.46 / 0.877 ms)
     (CodeLlama 16k/256 6.57 ms vs 8.18 for 16 x 64 x 4 warps x 2 stages; Qwen2.5 0.90 vs 1.04):
     the read is L2-bound (the requests share the document's lines), and many small CTAs keep
     more independent loads in flight than a few wide ones.
