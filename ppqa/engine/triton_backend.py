@@ -21,7 +21,6 @@ Under TRITON_INTERPRET=1 the same code runs on CPU tensors (slowly), which the t
 
 from __future__ import annotations
 
-from contextlib import nullcontext as _no_stream
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +149,14 @@ class TritonBackend:
         o.copy_(doc_o * torch.exp(doc_lse.unsqueeze(-1) - safe)
                 + own_o * torch.exp(own_lse.unsqueeze(-1) - safe))
 
+    def _fork(self) -> torch.cuda.Stream | None:
+        """The side stream, made to wait for the current one (q and the K/V store ready);
+        None without `overlap` or a GPU."""
+        if self._side is None or not self.overlap:
+            return None
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        return self._side
+
     def _cascade(self, q, o, k_buf, v_buf, meta: ForwardMetadata, plan: StepPlan) -> None:
         """Suffix states [0, splits) and document states [splits, splits + prefix_splits) of
         one buffer, then a single merge. With `overlap`, the document launch goes first on the
@@ -157,11 +164,8 @@ class TritonBackend:
         casc = meta.cascade
         states = plan.splits + plan.prefix_splits
         part_o, part_lse = self.scratch.views(q.shape[0], self.num_heads, states, self.head_dim)
-        side = self._side if self.overlap else None
-        main = torch.cuda.current_stream(self.device) if side is not None else None
-        if side is not None:
-            side.wait_stream(main)  # q and the K/V store are ready
-        with torch.cuda.stream(side) if side is not None else _no_stream():
+        side = self._fork()
+        with torch.cuda.stream(side):  # None: a no-op, the launches run in order
             launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
                                  casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
                                  self.sm_scale, plan.prefix_splits, part_o, part_lse,
@@ -170,5 +174,5 @@ class TritonBackend:
                       meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,
                       part_lse=part_lse, seq_len_offset=1)
         if side is not None:
-            main.wait_stream(side)
+            torch.cuda.current_stream(self.device).wait_stream(side)
         merge_partials(part_o, part_lse, o)

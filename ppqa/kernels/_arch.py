@@ -185,7 +185,7 @@ def decode_row_splits(programs: int, max_keys: int, device: torch.device,
     if not is_gpu(device):
         return fill
     pieces = min(triton.cdiv(max_keys, DECODE_PIECE_KEYS), split_cap, MAX_SPLITS)
-    return max(fill, pieces, 1)
+    return max(fill, pieces)
 
 
 def wave_splits(

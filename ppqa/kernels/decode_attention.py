@@ -114,9 +114,8 @@ def decode_splits(device: torch.device, batch: int, num_heads: int, num_kv_heads
     _arch.DECODE_PIECE_KEYS. The cascade suffix passes False: its bound is the whole row, but it
     reads only the row's tail."""
     cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
-    if whole_rows:
-        return _arch.decode_row_splits(batch * num_kv_heads, max_seq_len, device, cap)
-    return _arch.choose_splits(batch * num_kv_heads, max_seq_len, device, cap)
+    rule = _arch.decode_row_splits if whole_rows else _arch.choose_splits
+    return rule(batch * num_kv_heads, max_seq_len, device, cap)
 
 
 def launch_decode(
