@@ -74,7 +74,7 @@ def _compile(self, *args, grid, warmup, **kwargs):
     return None
 
 
-def _sweep_configs(kernel: str, wanted: bool) -> list[tuple[int, int, int, int]]:
+def _sweep_configs(kernel: str, wanted: bool) -> list[tuple]:
     """The tile configs benchmarks/kernels.py --sweep-<kernel> times (contiguous variants)."""
     if not wanted:
         return []
@@ -125,10 +125,11 @@ def main() -> None:
                                  torch.zeros(5, **i32), torch.zeros(64, **i32),
                                  torch.zeros(16, **i32), ext, 0.1, lse=lse, num_splits=splits,
                                  **(dict(doc_start=b, doc_len=b) if doc else {}))
-            for splits, doc in ((1, False), (4, False), (1, True), (4, True)):
+            for splits, doc, tma in ((1, False, None), (4, False, None), (1, True, None),
+                                     (4, True, None), (4, True, True)):
                 rows = torch.zeros(64, **i32)
                 decode_attention(q, q, pool, pool, table, rows, rows, rows, 0.1,
-                                 num_splits=splits,
+                                 num_splits=splits, tma=tma,
                                  **(dict(doc_start=rows, doc_len=rows) if doc else {}))
             group = (torch.zeros(2, **i32), torch.zeros(1, **i32), torch.zeros(1, **i32))
             shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group, 64,
@@ -136,9 +137,15 @@ def main() -> None:
             sweep_dtype = sweep and dtype != torch.float32
             for size, contig_tiles in ((256, None), (8, None),
                                        *((256, t) for t in _sweep_configs("prefix", sweep_dtype))):
+                options = contig_tiles[4] if contig_tiles and len(contig_tiles) > 4 else {}
                 shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group,
                                         size, 16384, 0.1, num_splits=2, doc_starts=group[1],
-                                        tiles=Tiles(*contig_tiles) if contig_tiles else None)
+                                        tiles=Tiles(*contig_tiles[:4]) if contig_tiles else None,
+                                        **options)
+            for size in (256, 8):
+                shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group,
+                                        size, 16384, 0.1, num_splits=2, doc_starts=group[1],
+                                        tma=True)
             for ext_tiles in _sweep_configs("extend", sweep_dtype):
                 extend_attention(q, kv, kv, q, pool, pool, table, b, b, b,
                                  torch.zeros(5, **i32), torch.zeros(64, **i32),

@@ -23,19 +23,26 @@ from ppqa.kernels.merge import merge_partials
 # --sweep-prefix / --sweep-extend: tiles (block_m, block_n, num_warps, num_stages) of the
 # contiguous-document variants (None: the launcher's own choice) and split counts (None: the
 # planner's); every pair is timed. benchmarks/compile_check.py --sweep compiles these tiles.
+# A config may carry a fifth element, launcher options: {"tma": True} (whole document tiles
+# through tensor descriptors), {"heads_inner": n} (decode: n KV heads' programs adjacent in the
+# launch order, capped at the model's KV heads).
+TMA, ALL_HEADS = {"tma": True}, {"heads_inner": 64}
 CONTIG_SWEEP = {
-    "prefix": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
-               (128, 128, 8, 2), (64, 32, 4, 3)],
+    # run 5: the TMA variant against the default (128, 64, 8, 3) and its neighbours
+    "prefix": [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 64, 8, 4, TMA),
+               (128, 128, 8, 2, TMA), (64, 64, 4, 3, TMA), (64, 64, 4, 3)],
     "extend": [(64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
                (64, 64, 8, 3), (32, 64, 8, 2)],
     # the stock decode (one query per question): run 3 left Qwen's GQA decode at 1.05 ms vs
     # SDPA per question 0.79 with 1 split (1,024 programs); run 4 call 1 found 2 warps x 32 keys
     # x 3 stages at 3 splits best of five tiles (0.97 ms; CodeLlama 7.36 vs 8.18), call 2 one
-    # warp x 32 keys x 3 stages (0.90 / 6.57 ms; now the default); call 3 sweeps around it
-    "decode": [(16, 32, 1, 3), (16, 32, 1, 4), (16, 64, 1, 3), (16, 16, 1, 4), (16, 32, 1, 2),
-               (16, 64, 1, 2), (16, 64, 4, 2)],
+    # warp x 32 keys x 3 stages (0.90 / 6.57 ms; now the default); call 3 swept around it
+    # (16 x 16 x 4 stages 2-3% faster at 6-8 splits); run 5: launch order and TMA
+    "decode": [(16, 32, 1, 3), (16, 32, 1, 3, ALL_HEADS), (16, 32, 1, 3, {"heads_inner": 4}),
+               (16, 32, 1, 3, TMA), (16, 32, 1, 3, ALL_HEADS | TMA), (16, 16, 1, 4),
+               (16, 16, 1, 4, ALL_HEADS), (16, 16, 1, 4, ALL_HEADS | TMA)],
 }
-CONTIG_SPLITS = {"prefix": [None, 1, 4, 8], "extend": [None, 1, 4], "decode": [None, 1, 3, 4, 6, 8]}
+CONTIG_SPLITS = {"prefix": [None, 4], "extend": [None, 1, 4], "decode": [None, 8]}
 
 
 def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
@@ -47,15 +54,16 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
     doc_len, questions, dev = grid.doc_len, grid.questions, grid.q.device
     heads, i32 = (grid.num_heads, grid.num_kv_heads, grid.head_dim), dict(device=dev, dtype=torch.int32)
     flops = 4 * grid.head_dim * grid.num_heads * questions * doc_len
-    # the interpreter (smoke) runs one tile config at two split counts
-    configs = [(t, n) for t in CONTIG_SWEEP[kernel][:1 if smoke else None]
+    # the interpreter (smoke) runs the first and last configs at two split counts
+    sweep = CONTIG_SWEEP[kernel]
+    configs = [(t, n) for t in ([sweep[0], sweep[-1]] if smoke else sweep)
                for n in CONTIG_SPLITS[kernel][:2 if smoke else None]]
     o, rows, gathered = torch.empty_like(grid.q), [], []
     if kernel == "prefix":
         backend, meta = grid.stock(cascade=True)
         casc, doc_starts = meta.cascade, torch.ones(1, **i32)
 
-        def run(splits, tiles=None, contiguous=False):
+        def run(splits, tiles=None, contiguous=False, **options):
             splits = splits or prefix_splits(dev, grid.q.dtype, questions, *heads, 1, questions, doc_len,
                                               contiguous=contiguous)
             part = [torch.empty(questions, grid.num_heads, splits, *d, device=dev)
@@ -63,7 +71,7 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
             launch_shared_prefix(grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
                                  casc.doc_req_indices, casc.doc_lens, questions, backend.sm_scale,
                                  splits, *part, tiles=tiles,
-                                 doc_starts=doc_starts if contiguous else None)
+                                 doc_starts=doc_starts if contiguous else None, **options)
             merge_partials(*part, o)
             return o
     elif kernel == "decode":
@@ -72,12 +80,14 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
                    doc_len=torch.full((questions,), doc_len, **i32))
         flops = 4 * grid.head_dim * grid.num_heads * questions * meta.max_prefix_len
 
-        def run(splits, tiles=None, contiguous=False):
+        def run(splits, tiles=None, contiguous=False, heads_inner=None, **options):
+            if heads_inner is not None:
+                options["heads_inner"] = min(heads_inner, grid.num_kv_heads)
             decode_attention(grid.q, o, grid.k, grid.v, meta.req_to_token, meta.req_indices,
                              meta.kv_start, meta.prefix_lens, backend.sm_scale,
                              max_seq_len=meta.max_prefix_len + 1, num_splits=splits,
                              scratch=backend.scratch, seq_len_offset=1, tiles=tiles,
-                             **(doc if contiguous else {}))
+                             **(doc if contiguous else {}), **options)
             return o
     else:
         backend, meta = grid.parallel(32)
@@ -92,9 +102,12 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
                              num_splits=splits, tiles=tiles, **(doc if contiguous else {}))
             return o
 
-    for variant, tiles, splits in [("gather", None, None)] + [("contiguous", *c) for c in configs]:
-        row = {"mode": f"contig_{kernel}", "variant": variant, "tiles": tiles, "splits": splits}
-        fn = lambda: run(splits, tiles and Tiles(*tiles), variant == "contiguous")  # noqa: E731
+    for variant, config, splits in [("gather", None, None)] + [("contiguous", *c) for c in configs]:
+        tiles, options = (config[:4], config[4] if len(config) > 4 else {}) if config else (None, {})
+        row = {"mode": f"contig_{kernel}", "variant": variant, "tiles": tiles, "splits": splits,
+               "options": options}
+        fn = lambda: run(splits, tiles and Tiles(*tiles), variant == "contiguous",  # noqa: E731
+                         **options)
         try:
             ms = bench_replay(fn)
             out = fn().float()
@@ -119,11 +132,12 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
 
 def print_contig(rows: list[dict]) -> None:
     gather = {(r["model"], r["mode"]): r.get("ms") for r in rows if r["variant"] == "gather"}
-    print(f"{'model':13} {'kernel':14} {'variant':11} {'tiles':>17} {'splits':>6} {'ms':>8} "
-          f"{'x gather':>8} {'TFLOP/s':>8} diff")
+    print(f"{'model':13} {'kernel':14} {'variant':11} {'tiles':>17} {'options':>20} "
+          f"{'splits':>6} {'ms':>8} {'x gather':>8} {'TFLOP/s':>8} diff")
     for r in rows:
         base, ms = gather.get((r["model"], r["mode"])), r.get("ms")
         splits = "" if r["variant"].startswith("sdpa") else r.get("splits") or "plan"
+        options = ",".join(f"{k}={v}" for k, v in (r.get("options") or {}).items())
         print(f"{r['model']:13} {r['mode']:14} {r['variant']:11} {str(r.get('tiles') or ''):>17} "
-              f"{splits:>6} {ms or r.get('error'):>8} {base / ms if ms and base else '':>8.4} "
+              f"{options:>20} {splits:>6} {ms or r.get('error'):>8} {base / ms if ms and base else '':>8.4} "
               f"{r.get('doc_TFLOPs', ''):>8} {r.get('max_abs_diff_vs_gather', '')}")

@@ -121,6 +121,38 @@ def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
     return Tiles(block_m, 32, 1, 3)
 
 
+def decode_heads_inner(device: torch.device, num_kv_heads: int) -> int:
+    """How many KV heads' decode programs run side by side before the next request's
+    (`launch_decode`'s heads_inner). 1: each program's neighbours are other requests reading
+    the same piece of the same head, which they share through L2."""
+    return 1
+
+
+def use_tma(device: torch.device, kernel: str) -> bool:
+    """Whether `kernel` ("decode", "prefix") reads a contiguous document's whole tiles through
+    tensor descriptors (the Hopper tensor memory accelerator) by default."""
+    return False
+
+
+def kv_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor, block_n: int):
+    """Tensor descriptors of the K and V pools viewed as [slots, heads x head_dim], a block
+    being block_n slots x one head; None where a pool cannot take one (a head_dim that is not
+    a power of two, a layout other than [slots, heads, head_dim] row-major, or a base or row
+    not 16-byte aligned)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    slots, heads, head_dim = k_pool.shape
+    row_bytes = heads * head_dim * k_pool.element_size()
+    for pool in (k_pool, v_pool):
+        if (pool.shape != k_pool.shape or pool.stride() != (heads * head_dim, head_dim, 1)
+                or pool.data_ptr() % 16 or row_bytes % 16):
+            return None
+    if head_dim & (head_dim - 1) or head_dim * k_pool.element_size() < 16:
+        return None
+    return tuple(TensorDescriptor.from_tensor(pool.view(slots, heads * head_dim),
+                                              [block_n, head_dim]) for pool in (k_pool, v_pool))
+
+
 def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
     """Tiles for the shared-prefix (cascade) kernel. Sweeps at 16k/256 (NOTES.md): 64 x 64 x 4
     warps beat 128 x 64 x 8 (0.28 vs 0.35 ms, run 2), and 64 x 32 x 4 beat 64 x 64 x 4 (0.246 vs

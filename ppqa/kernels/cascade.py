@@ -37,7 +37,7 @@ from ppqa.kernels.merge import PartialScratch, merge_partials, partial_buffers, 
 @triton.jit
 def _prefix_kernel(
     Q, Part_o, Part_lse,
-    K_pool, V_pool, Req_to_token, Group_indptr, Doc_req, Doc_lens, Doc_starts,
+    K_pool, V_pool, K_desc, V_desc, Req_to_token, Group_indptr, Doc_req, Doc_lens, Doc_starts,
     scale_log2, state_offset, num_splits,
     stride_qt, stride_qh,
     stride_pt, stride_ph, stride_ps, stride_plt, stride_plh,
@@ -45,6 +45,7 @@ def _prefix_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CONTIG: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -78,7 +79,18 @@ def _prefix_kernel(
         slot0 = tl.load(Doc_starts + g)
         if IDX64:
             slot0 = slot0.to(tl.int64)
-        for start in range(lo, hi, BLOCK_N):
+        tail = lo
+        if TMA:
+            # whole tiles as one 2-D block each of K and V (tensor memory accelerator copies)
+            tail = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+            col = (kvh * HEAD_DIM).to(tl.int32)
+            for start in range(lo, tail, BLOCK_N):
+                row = (slot0 + start).to(tl.int32)
+                k = K_desc.load([row, col]).to(DOT_DT)
+                v = V_desc.load([row, col]).to(DOT_DT)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+                m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
+        for start in range(tail, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             c_ok = cols < hi
             slots = slot0 + cols
@@ -142,11 +154,13 @@ def launch_shared_prefix(
     q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
     max_group_size: int, sm_scale: float, num_splits: int, part_o, part_lse,
     state_offset: int = 0, tiles: _arch.Tiles | None = None,
-    doc_starts: torch.Tensor | None = None,
+    doc_starts: torch.Tensor | None = None, tma: bool | None = None,
 ) -> None:
     """Partial states of the document part into part_o[:, :, state_offset : +num_splits].
     doc_starts [G] int32: group g's document is the slots doc_starts[g] + i, i < doc_lens[g]
-    (read at affine addresses, req_to_token untouched); None: gathered through req_to_token."""
+    (read at affine addresses, req_to_token untouched); None: gathered through req_to_token.
+    tma (contiguous documents only): whole tiles read through tensor descriptors
+    (`_arch.kv_descriptors`); None: `_arch.use_tma`."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -155,9 +169,12 @@ def launch_shared_prefix(
                                       contiguous)
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
+    descs = None
+    if contiguous and (tma if tma is not None else _arch.use_tma(q.device, "prefix")):
+        descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
         q, part_o, part_lse,
-        k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices, doc_lens,
+        k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, group_req_indptr, doc_req_indices, doc_lens,
         doc_starts if contiguous else doc_lens,
         sm_scale * math.log2(math.e), state_offset, num_splits,
         q.stride(0), q.stride(1), *partial_strides(part_o, part_lse, True),
@@ -165,7 +182,7 @@ def launch_shared_prefix(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, CONTIG=contiguous,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TMA=descs is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
 
@@ -174,10 +191,11 @@ def shared_prefix_attention(
     max_group_size: int, max_doc_len: int, sm_scale: float,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
     doc_starts: torch.Tensor | None = None, tiles: _arch.Tiles | None = None,
+    tma: bool | None = None,
 ) -> int:
     """Writes o [B, Hq, D] and lse [B, Hq] (natural log) of each request's query against its
     group's document only. q [B, Hq, D], one decode token per request. Returns the splits.
-    doc_starts: as launch_shared_prefix."""
+    doc_starts, tma: as launch_shared_prefix."""
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return 0
@@ -188,7 +206,7 @@ def shared_prefix_attention(
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_shared_prefix(q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices,
                          doc_lens, max_group_size, sm_scale, num_splits, part_o, part_lse,
-                         tiles=tiles, doc_starts=doc_starts)
+                         tiles=tiles, doc_starts=doc_starts, tma=tma)
     merge_partials(part_o, part_lse, o, lse)
     return num_splits
 

@@ -43,15 +43,16 @@ def test_contiguous_prefix_matches_reference(case, heads, dtype):
                                                  group_indptr, doc_req, doc_lens, scale)
     table = junk_document(batch.req_to_token, range(batch.q.shape[0]),
                           [n for n, lens in zip(docs, suffixes) for _ in lens])
-    runs = [(None, None), (3, None)]
+    runs = [(None, None, None), (3, None, False), (3, None, True)]
     if dtype == torch.float32:  # short key tiles, more splits than tiles (some empty)
-        runs.append((17, Tiles(16, 16, 4, 1)))
-    for splits, tiles in runs:
+        runs += [(17, Tiles(16, 16, 4, 1), False), (17, Tiles(16, 16, 4, 1), True)]
+    for splits, tiles, tma in runs:
         o, lse = poisoned(batch.q.shape, dtype), poisoned(batch.q.shape[:2])
         used = shared_prefix_attention(batch.q, o, lse, pool.k, pool.v, table, group_indptr,
                                        doc_req, doc_lens, per_doc, max(docs), scale,
-                                       num_splits=splits, doc_starts=doc_starts, tiles=tiles)
-        what = f"{case} splits={used} contiguous"
+                                       num_splits=splits, doc_starts=doc_starts, tiles=tiles,
+                                       tma=tma)
+        what = f"{case} splits={used} tma={tma} contiguous"
         assert_close_to_ref(o, ref_o, dtype, f"{what} o")
         assert_close_to_ref(lse, ref_lse, max(dtype, torch.float32, key=DTYPES.index),
                             f"{what} lse")
