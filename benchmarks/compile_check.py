@@ -126,7 +126,7 @@ def main() -> None:
                                  torch.zeros(16, **i32), ext, 0.1, lse=lse, num_splits=splits,
                                  **(dict(doc_start=b, doc_len=b) if doc else {}))
             for splits, doc, tma in ((1, False, None), (4, False, None), (1, True, None),
-                                     (4, True, None), (4, True, True)):
+                                     (4, True, None), (4, True, False)):
                 rows = torch.zeros(64, **i32)
                 decode_attention(q, q, pool, pool, table, rows, rows, rows, 0.1,
                                  num_splits=splits, tma=tma,
@@ -142,15 +142,16 @@ def main() -> None:
                                         size, 16384, 0.1, num_splits=2, doc_starts=group[1],
                                         tiles=Tiles(*contig_tiles[:4]) if contig_tiles else None,
                                         **options)
-            for size in (256, 8):
+            for size in (256, 8):  # the pointer-load variant (TMA is the sm_90 default)
                 shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group,
                                         size, 16384, 0.1, num_splits=2, doc_starts=group[1],
-                                        tma=True)
+                                        tma=False)
             for ext_tiles in _sweep_configs("extend", sweep_dtype):
                 extend_attention(q, kv, kv, q, pool, pool, table, b, b, b,
                                  torch.zeros(5, **i32), torch.zeros(64, **i32),
                                  torch.zeros(16, **i32), 32, 0.1, num_splits=2,
-                                 doc_start=b, doc_len=b, tiles=Tiles(*ext_tiles))
+                                 doc_start=b, doc_len=b, tiles=Tiles(*ext_tiles[:4]),
+                                 **(ext_tiles[4] if len(ext_tiles) > 4 else {}))
             store_kv(pool, pool, torch.zeros(64, dtype=torch.int64), kv, kv)
     print(f"{len(seen)} variants compiled for sm_90")
 

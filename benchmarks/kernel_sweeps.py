@@ -23,26 +23,23 @@ from ppqa.kernels.merge import merge_partials
 # --sweep-prefix / --sweep-extend: tiles (block_m, block_n, num_warps, num_stages) of the
 # contiguous-document variants (None: the launcher's own choice) and split counts (None: the
 # planner's); every pair is timed. benchmarks/compile_check.py --sweep compiles these tiles.
-# A config may carry a fifth element, launcher options: {"tma": True} (whole document tiles
-# through tensor descriptors), {"heads_inner": n} (decode: n KV heads' programs adjacent in the
-# launch order, capped at the model's KV heads).
-TMA, ALL_HEADS = {"tma": True}, {"heads_inner": 64}
+# A config may carry a fifth element, launcher options: {"tma": False} reads the document's
+# whole tiles with pointer loads rather than the default tensor descriptors (sm_90).
+PTR = {"tma": False}
 CONTIG_SWEEP = {
-    # run 5: the TMA variant against the default (128, 64, 8, 3) and its neighbours
-    "prefix": [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 64, 8, 4, TMA),
-               (128, 128, 8, 2, TMA), (64, 64, 4, 3, TMA), (64, 64, 4, 3)],
-    "extend": [(64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3),
-               (64, 64, 8, 3), (32, 64, 8, 2)],
-    # the stock decode (one query per question): run 3 left Qwen's GQA decode at 1.05 ms vs
-    # SDPA per question 0.79 with 1 split (1,024 programs); run 4 call 1 found 2 warps x 32 keys
-    # x 3 stages at 3 splits best of five tiles (0.97 ms; CodeLlama 7.36 vs 8.18), call 2 one
-    # warp x 32 keys x 3 stages (0.90 / 6.57 ms; now the default); call 3 swept around it
-    # (16 x 16 x 4 stages 2-3% faster at 6-8 splits); run 5: launch order and TMA
-    "decode": [(16, 32, 1, 3), (16, 32, 1, 3, ALL_HEADS), (16, 32, 1, 3, {"heads_inner": 4}),
-               (16, 32, 1, 3, TMA), (16, 32, 1, 3, ALL_HEADS | TMA), (16, 16, 1, 4),
-               (16, 16, 1, 4, ALL_HEADS), (16, 16, 1, 4, ALL_HEADS | TMA)],
+    # run 5: TMA took the default (128, 64, 8, 3) from 0.168 to 0.152 ms (CodeLlama) and
+    # (64, 64, 4, 3) to 0.145 at 2 splits; here both, at the planned and 2 splits
+    "prefix": [(128, 64, 8, 3), (128, 64, 8, 3, PTR), (64, 64, 4, 3), (64, 64, 4, 4),
+               (64, 32, 4, 3)],
+    "extend": [(64, 64, 4, 3), (64, 64, 4, 3, PTR), (64, 32, 4, 3), (64, 32, 4, 3, PTR),
+               (32, 64, 4, 3), (64, 64, 4, 4)],
+    # the stock decode (one query per question): run 4 found one warp x 32 keys x 3 stages best
+    # of 14 tiles (0.90 / 6.57 ms); run 5 found TMA faster (0.661 / 6.11) and nothing in the
+    # launch order (all KV heads of a request adjacent: 0.92 / 7.46); here tiles under TMA
+    "decode": [(16, 32, 1, 3), (16, 32, 1, 3, PTR), (16, 16, 1, 4), (16, 64, 1, 3),
+               (16, 32, 1, 4), (16, 64, 1, 2), (16, 32, 2, 3), (16, 64, 2, 3)],
 }
-CONTIG_SPLITS = {"prefix": [None, 4], "extend": [None, 1, 4], "decode": [None, 8]}
+CONTIG_SPLITS = {"prefix": [None, 2], "extend": [None, 2], "decode": [None, 8]}
 
 
 def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
@@ -80,9 +77,7 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
                    doc_len=torch.full((questions,), doc_len, **i32))
         flops = 4 * grid.head_dim * grid.num_heads * questions * meta.max_prefix_len
 
-        def run(splits, tiles=None, contiguous=False, heads_inner=None, **options):
-            if heads_inner is not None:
-                options["heads_inner"] = min(heads_inner, grid.num_kv_heads)
+        def run(splits, tiles=None, contiguous=False, **options):
             decode_attention(grid.q, o, grid.k, grid.v, meta.req_to_token, meta.req_indices,
                              meta.kv_start, meta.prefix_lens, backend.sm_scale,
                              max_seq_len=meta.max_prefix_len + 1, num_splits=splits,
@@ -94,12 +89,13 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
         doc = dict(doc_start=torch.ones(meta.batch_size, **i32),
                    doc_len=torch.full((meta.batch_size,), doc_len, **i32))
 
-        def run(splits, tiles=None, contiguous=False):
+        def run(splits, tiles=None, contiguous=False, **options):
             extend_attention(grid.q, grid.k_new, grid.v_new, o, grid.k, grid.v, meta.req_to_token,
                              meta.req_indices, meta.kv_start, meta.prefix_lens, meta.qo_indptr,
                              meta.q_sid, backend.pool.slot_sid, meta.max_extend_len,
                              backend.sm_scale, max_prefix_len=meta.max_prefix_len,
-                             num_splits=splits, tiles=tiles, **(doc if contiguous else {}))
+                             num_splits=splits, tiles=tiles, **(doc if contiguous else {}),
+                             **options)
             return o
 
     for variant, config, splits in [("gather", None, None)] + [("contiguous", *c) for c in configs]:

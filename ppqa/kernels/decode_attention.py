@@ -52,11 +52,10 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_DOC: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
-    HEADS_INNER: tl.constexpr, TMA: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    # HEADS_INNER KV heads run fastest, then requests: adjacent programs read whole rows
-    b = tl.program_id(0) // HEADS_INNER
-    kvh = tl.program_id(1) * HEADS_INNER + tl.program_id(0) % HEADS_INNER
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     USE_DOT: tl.constexpr = BLOCK_H > 1
 
@@ -136,16 +135,15 @@ def launch_decode(
     num_splits: int, *, o=None, lse=None, part_o=None, part_lse=None, state_offset: int = 0,
     seq_len_offset: int = 0, tiles: _arch.Tiles | None = None,
     doc_start: torch.Tensor | None = None, doc_len: torch.Tensor | None = None,
-    heads_inner: int | None = None, tma: bool | None = None,
+    tma: bool | None = None,
 ) -> None:
     """One launch: final outputs into o (and lse) when part_o is None, else partial states
     num_splits wide at part_o[:, :, state_offset:]. seq_len_offset is added to seq_lens (the
     backend passes prefix_lens with offset 1 rather than allocating prefix_lens + 1).
     doc_start/doc_len [B] int32 (both or neither): row positions [0, doc_len[b]) of request b
     are the slots doc_start[b] + i, read without req_to_token; doc_len 0: all gathered.
-    heads_inner (a power of two dividing the KV heads): that many KV heads' programs are
-    adjacent in the launch order, before the next request's; tma: the document's whole tiles
-    read through tensor descriptors (`_arch.kv_descriptors`). None: `_arch`'s choice."""
+    tma: the document's whole tiles read through tensor descriptors (`_arch.kv_descriptors`);
+    None: `_arch.use_tma`."""
     if (doc_start is None) != (doc_len is None):
         raise ValueError("launch_decode takes doc_start and doc_len together, or neither")
     has_doc = doc_start is not None
@@ -153,18 +151,13 @@ def launch_decode(
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
     tiles = tiles or _arch.decode_tiles(q.device, q.dtype, group)
-    if heads_inner is None:
-        heads_inner = _arch.decode_heads_inner(q.device, num_kv_heads)
-    if heads_inner < 1 or num_kv_heads % heads_inner or heads_inner & (heads_inner - 1):
-        raise ValueError(f"heads_inner must be a power of two dividing {num_kv_heads}, "
-                         f"got {heads_inner}")
     descs = None
     if has_doc and (tma if tma is not None else _arch.use_tma(q.device, "decode")):
         descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
     partial = part_o is not None
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     dummy = part_o if partial else o
-    _decode_kernel[(batch * heads_inner, num_kv_heads // heads_inner, num_splits)](
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, o if o is not None else dummy, lse if lse is not None else dummy,
         part_o if partial else dummy, part_lse if partial else dummy,
         k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, req_indices, kv_start, seq_lens,
@@ -177,7 +170,7 @@ def launch_decode(
         BLOCK_H=tiles.block_m, BLOCK_N=tiles.block_n,
         WRITE_PARTIAL=partial, WRITE_LSE=lse is not None and not partial, HAS_DOC=has_doc,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
-        HEADS_INNER=heads_inner, TMA=descs is not None,
+        TMA=descs is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -188,14 +181,14 @@ def decode_attention(
     num_splits: int | None = None, scratch: PartialScratch | None = None,
     seq_len_offset: int = 0, tiles: _arch.Tiles | None = None,
     doc_start: torch.Tensor | None = None, doc_len: torch.Tensor | None = None,
-    heads_inner: int | None = None, tma: bool | None = None,
+    tma: bool | None = None,
 ) -> int:
     """Writes o [B, Hq, D] (and lse [B, Hq] float32, natural log). Returns the split count.
 
     q [B, Hq, D]: request b's query; it attends to row positions [kv_start[b], seq_lens[b] +
     seq_len_offset). max_seq_len (host int, an upper bound) only steers the split count.
-    doc_start/doc_len: a contiguous document at the row's start; heads_inner, tma: the launch
-    order and the document's copies; all as in `launch_decode`.
+    doc_start/doc_len: a contiguous document at the row's start; tma: how its tiles are read;
+    both as in `launch_decode`.
     """
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -207,13 +200,12 @@ def decode_attention(
     if num_splits == 1:
         launch_decode(q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale,
                       1, o=o, lse=lse, seq_len_offset=seq_len_offset, tiles=tiles,
-                      doc_start=doc_start, doc_len=doc_len, heads_inner=heads_inner, tma=tma)
+                      doc_start=doc_start, doc_len=doc_len, tma=tma)
         return 1
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_decode(q, k_pool, v_pool, req_to_token, req_indices, kv_start, seq_lens, sm_scale,
                   num_splits, part_o=part_o, part_lse=part_lse, seq_len_offset=seq_len_offset,
-                  tiles=tiles, doc_start=doc_start, doc_len=doc_len, heads_inner=heads_inner,
-                  tma=tma)
+                  tiles=tiles, doc_start=doc_start, doc_len=doc_len, tma=tma)
     merge_partials(part_o, part_lse, o, lse)
     return num_splits
 

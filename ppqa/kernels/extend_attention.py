@@ -51,8 +51,8 @@ def _load_kv(K_pool, V_pool, slots, c_ok, kv_head_off, d, d_ok, stride_pool_s,
 @triton.jit
 def _extend_kernel(
     Q, K_new, V_new, O, Lse, Part_o, Part_lse,
-    K_pool, V_pool, Req_to_token, Req_idx, Kv_start, Prefix_lens, Qo_indptr, Q_sid, Slot_sid,
-    Doc_start, Doc_len,
+    K_pool, V_pool, K_desc, V_desc, Req_to_token, Req_idx, Kv_start, Prefix_lens, Qo_indptr,
+    Q_sid, Slot_sid, Doc_start, Doc_len,
     scale_log2, num_m_tiles, state_offset, num_splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh,
@@ -62,6 +62,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_DOC: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // num_m_tiles
@@ -104,7 +105,18 @@ def _extend_kernel(
     if HAS_DOC:
         # The document piece [lo, min(hi, doc_len)): slots doc_start + i, every key visible.
         doc_hi, doc_slot0 = doc_run(Doc_start, Doc_len, b, hi, IDX64)
-        for start in range(lo, doc_hi, BLOCK_N):
+        tail = lo
+        if TMA:
+            # whole tiles as one 2-D block each of K and V (tensor memory accelerator copies)
+            tail = lo + tl.maximum(doc_hi - lo, 0) // BLOCK_N * BLOCK_N
+            col = (kvh * HEAD_DIM).to(tl.int32)
+            for start in range(lo, tail, BLOCK_N):
+                row = (doc_slot0 + start).to(tl.int32)
+                k = K_desc.load([row, col]).to(DOT_DT)
+                v = V_desc.load([row, col]).to(DOT_DT)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+                m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
+        for start in range(tail, doc_hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             c_ok = cols < doc_hi
             k_t, v = _load_kv(K_pool, V_pool, doc_slot0 + cols, c_ok, kv_head_off, d, d_ok,
@@ -184,6 +196,7 @@ def extend_attention(
     num_splits: int | None = None, scratch: PartialScratch | None = None,
     tiles: _arch.Tiles | None = None,
     doc_start: torch.Tensor | None = None, doc_len: torch.Tensor | None = None,
+    tma: bool | None = None,
 ) -> int:
     """Writes o [T, Hq, D] (and lse [T, Hq] float32, natural log). Returns the split count used.
 
@@ -194,6 +207,8 @@ def extend_attention(
     doc_start/doc_len [B] int32 (both or neither): row positions [0, doc_len[b]) of request b
     are the slots doc_start[b] + i, all with slot_sid -1; they are read without req_to_token or
     slot_sid. doc_len[b] = 0: no contiguous document known, the whole row is gathered.
+    tma: the documents' whole tiles read through tensor descriptors (`_arch.kv_descriptors`);
+    None: `_arch.use_tma`.
     """
     if (doc_start is None) != (doc_len is None):
         raise ValueError("extend_attention takes doc_start and doc_len together, or neither")
@@ -217,10 +232,13 @@ def extend_attention(
         part_o, part_lse = o, o  # unused by the kernel
     lse_arg = lse if lse is not None else o
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, device)
+    descs = None
+    if has_doc and (tma if tma is not None else _arch.use_tma(device, "extend")):
+        descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
     grid = (batch, num_kv_heads * m_tiles, num_splits)
     _extend_kernel[grid](
         q, k_new, v_new, o, lse_arg, part_o, part_lse,
-        k_pool, v_pool, req_to_token, req_indices, kv_start, prefix_lens, qo_indptr, q_sid, slot_sid,
+        k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, req_indices, kv_start, prefix_lens, qo_indptr, q_sid, slot_sid,
         doc_start if has_doc else kv_start, doc_len if has_doc else kv_start,
         sm_scale * math.log2(math.e), m_tiles, 0, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -230,7 +248,7 @@ def extend_attention(
         BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         WRITE_PARTIAL=write_partial, WRITE_LSE=lse is not None, HAS_DOC=has_doc,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TMA=descs is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if write_partial:
         merge_partials(part_o, part_lse, o, lse)

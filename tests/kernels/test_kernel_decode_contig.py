@@ -42,29 +42,17 @@ def test_decode_reads_contiguous_documents(case, heads, dtype):
     doc_start[indptr[0]:indptr[1]], doc_len[indptr[0]:indptr[1]] = starts[0], docs[0]
     rows = batch.req_indices[indptr[0]:indptr[1]].tolist()
     table = junk_document(batch.req_to_token, rows, [docs[0]] * len(rows))
-    # the launch orders and copy paths: the defaults, every KV head adjacent, descriptors
-    variants = [(None, None, None), (3, num_kv_heads, False), (1, 1, True), (3, num_kv_heads, True)]
-    for splits, heads_inner, tma in variants:
+    # the default copy path, then each of the two paths forced
+    for splits, tma in ((None, None), (1, False), (3, False), (1, True), (3, True)):
         o, lse = poisoned(batch.q.shape, dtype), poisoned(batch.q.shape[:2])
         used = decode_attention(batch.q, o, pool.k, pool.v, table, batch.req_indices,
                                 batch.kv_start, batch.prefix_lens, scale, lse=lse,
                                 num_splits=splits, seq_len_offset=1,
                                 max_seq_len=int(seq_lens.max()), doc_start=doc_start,
-                                doc_len=doc_len, heads_inner=heads_inner, tma=tma)
-        what = f"{case} splits={used} heads_inner={heads_inner} tma={tma}"
+                                doc_len=doc_len, tma=tma)
+        what = f"{case} splits={used} tma={tma}"
         assert_close_to_ref(o, ref[0], dtype, f"{what} o")
         assert_close_to_ref(lse, ref[1], torch.float32, f"{what} lse")
-
-
-def test_heads_inner_must_divide_the_kv_heads():
-    q = torch.zeros(1, 6, 16, device=DEVICE)
-    pool = torch.zeros(4, 3, 16, device=DEVICE)
-    index = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    for bad in (2, 0, 6):
-        with pytest.raises(ValueError, match="heads_inner"):
-            decode_attention(q, q.clone(), pool, pool.clone(),
-                             torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
-                             index, index, index, 1.0, heads_inner=bad)
 
 
 def test_doc_start_and_doc_len_go_together():

@@ -119,12 +119,15 @@ def test_extend_contiguous_document_matches_reference(layout, heads, dtype):
         table = junk_document(batch.req_to_token, range(requests), declared)
         doc = dict(doc_start=torch.full((requests,), start, **to),
                    doc_len=torch.tensor(declared, **to), kernel_table=table)
-        for splits in (None, 3):
-            run_step(batch, pool, dtype, 1 / math.sqrt(head_dim), f"{layout} {phase} contiguous",
-                     num_splits=splits, **doc)
+        # the default copy path, then each of the two paths forced
+        for splits, tma in ((None, None), (3, False), (3, True)):
+            run_step(batch, pool, dtype, 1 / math.sqrt(head_dim),
+                     f"{layout} {phase} contiguous tma={tma}", num_splits=splits, tma=tma, **doc)
         if dtype == torch.float32:  # short key tiles: the document ends inside many splits
-            run_step(batch, pool, dtype, 1 / math.sqrt(head_dim), f"{layout} {phase} 16x32",
-                     num_splits=7, tiles=Tiles(16, 32, 4, 1), **doc)
+            for tma in (False, True):
+                run_step(batch, pool, dtype, 1 / math.sqrt(head_dim),
+                         f"{layout} {phase} 16x32 tma={tma}", num_splits=7,
+                         tiles=Tiles(16, 32, 4, 1), tma=tma, **doc)
 
 
 def test_extend_doc_arguments_come_together():
