@@ -170,7 +170,7 @@ def _extend_kernel(
 def _tiling(device, dtype, group: int, max_extend_len: int, tiles: _arch.Tiles | None = None,
             contiguous: bool = False) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per request and KV head)."""
-    tiles = tiles or _arch.extend_tiles(device, dtype, max_extend_len * group, contiguous, group)
+    tiles = tiles or _arch.extend_tiles(device, dtype, max_extend_len * group, contiguous)
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     return tiles, block_m, triton.cdiv(max(max_extend_len, 1), block_m // group)
 
