@@ -171,7 +171,7 @@ class TritonBackend:
             # SMs; run 5 (16k/256, a layer): CodeLlama 0.300 ms with TMA vs 0.274 without,
             # although the part alone ran faster (0.143 vs 0.159). GQA's TMA variant takes
             # fewer registers (148 vs 168): Qwen2.5 0.158 with TMA vs 0.172 without.
-            mha = self.num_heads == k_buf.shape[1]
+            mha = self.num_heads == self.num_kv_heads
             launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
                                  casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
                                  self.sm_scale, plan.prefix_splits, part_o, part_lse,
