@@ -44,7 +44,11 @@ class DeviceRates:
     until run 4's one-warp decode tile made it 1.23x faster, 2.28x until run 5's TMA copies
     made it 1.08x faster on CodeLlama, 1.36x on Qwen2.5, where we keep CodeLlama's); the
     parallel extend kernel is bound by the masked keys it still computes (~12% of the matmul
-    rate) or by bandwidth (~70%); cascade's document part runs its product at ~28% of the rate.
+    rate) or by bandwidth (~70%); cascade's document part runs its product at ~28% of the rate,
+    and takes at least `cascade_layer_floor_s` a layer however small (its launch, the merge of its
+    partial states, the side-stream fork and join): run 5 measured Qwen2.5-1.5B 8k/64 cascade
+    0.97x of the new stock where the model without the floor predicted 1.30x; 40 us a layer
+    makes it predict ~1.0x there and keeps every other run-5 cell on the mode that won.
     """
 
     bandwidth: float  # bytes/s, measured copy bandwidth
@@ -54,13 +58,14 @@ class DeviceRates:
     parallel_flop_eff: float = 0.12
     cascade_mem_eff: float = 0.8
     cascade_flop_eff: float = 0.28
+    cascade_layer_floor_s: float = 0.0  # least time of a layer's document part (small grids)
     step_overhead_s: float = 0.0  # launch and host time per step, shared by all modes
 
     @staticmethod
     def for_device(kind: str) -> DeviceRates:
         if kind == "cuda":  # H200 measured here: 4.3 TB/s copy, ~790 TFLOP/s bf16
             return DeviceRates(bandwidth=4.3e12, matmul=7.9e14, stock_mem_eff=2.46,
-                               step_overhead_s=2e-3)
+                               cascade_layer_floor_s=40e-6, step_overhead_s=2e-3)
         # The CPU's torch backend: no L2 sharing to speak of, masked keys cost as much as others.
         return DeviceRates(bandwidth=2.0e10, matmul=1.0e11, parallel_mem_eff=1.0,
                            parallel_flop_eff=0.5, cascade_mem_eff=1.0, cascade_flop_eff=0.5)
@@ -93,8 +98,9 @@ def attention_seconds(cfg: ModelConfig, w: Workload, mode: str, streams: int,
     if mode == "stock":  # matrix-vector products: bandwidth alone
         return Q * (L + s) * kv / (bw * rates.stock_mem_eff)
     if mode == "cascade":  # the document as one product, then each suffix read once
-        return (max(L * kv / bw, Q * L * fp / (mm * rates.cascade_flop_eff))
-                + Q * s * kv / (bw * rates.cascade_mem_eff))
+        document = max(L * kv / bw, Q * L * fp / (mm * rates.cascade_flop_eff),
+                       cfg.num_layers * rates.cascade_layer_floor_s)
+        return document + Q * s * kv / (bw * rates.cascade_mem_eff)
     if mode == "parallel":
         p = max(1, min(streams, Q))
         bytes_ = math.ceil(Q / p) * (L + p * s) * kv
