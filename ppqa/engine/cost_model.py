@@ -42,7 +42,7 @@ class DeviceRates:
     (benchmarks/results/kernels_h200.json, 16k/256): stock decode reads the requested bytes at
     ~2.5x the copy bandwidth (requests in flight together share document tiles in L2; 1.85x
     until run 4's one-warp decode tile made it 1.23x faster, 2.28x until run 5's TMA copies
-    made it 1.08x faster on CodeLlama, 1.36x on Qwen2.5, where we keep CodeLlama's); the
+    made it 1.08x faster on CodeLlama; GQA models 3.09x, Qwen2.5's 1.36x gain); the
     parallel extend kernel is bound by the masked keys it still computes (~12% of the matmul
     rate) or by bandwidth (~70%); cascade's document part runs its product at ~28% of the rate,
     and takes at least `cascade_layer_floor_s` a layer however small (its launch, the merge of its
@@ -54,6 +54,7 @@ class DeviceRates:
     bandwidth: float  # bytes/s, measured copy bandwidth
     matmul: float  # FLOP/s, measured dense matrix product rate
     stock_mem_eff: float = 1.0
+    stock_gqa_mem_eff: float | None = None  # grouped-query models' own (None: stock_mem_eff)
     parallel_mem_eff: float = 0.7
     parallel_flop_eff: float = 0.12
     cascade_mem_eff: float = 0.8
@@ -65,7 +66,7 @@ class DeviceRates:
     def for_device(kind: str) -> DeviceRates:
         if kind == "cuda":  # H200 measured here: 4.3 TB/s copy, ~790 TFLOP/s bf16
             return DeviceRates(bandwidth=4.3e12, matmul=7.9e14, stock_mem_eff=2.46,
-                               cascade_layer_floor_s=40e-6, step_overhead_s=2e-3)
+                               stock_gqa_mem_eff=3.09, cascade_layer_floor_s=40e-6, step_overhead_s=2e-3)
         # The CPU's torch backend: no L2 sharing to speak of, masked keys cost as much as others.
         return DeviceRates(bandwidth=2.0e10, matmul=1.0e11, parallel_mem_eff=1.0,
                            parallel_flop_eff=0.5, cascade_mem_eff=1.0, cascade_flop_eff=0.5)
@@ -96,7 +97,10 @@ def attention_seconds(cfg: ModelConfig, w: Workload, mode: str, streams: int,
     L, Q, s = w.doc_tokens, w.questions, w.own_tokens
     bw, mm = rates.bandwidth, rates.matmul
     if mode == "stock":  # matrix-vector products: bandwidth alone
-        return Q * (L + s) * kv / (bw * rates.stock_mem_eff)
+        eff = rates.stock_mem_eff
+        if cfg.num_kv_heads < cfg.num_heads and rates.stock_gqa_mem_eff is not None:
+            eff = rates.stock_gqa_mem_eff
+        return Q * (L + s) * kv / (bw * eff)
     if mode == "cascade":  # the document as one product, then each suffix read once
         document = max(L * kv / bw, Q * L * fp / (mm * rates.cascade_flop_eff),
                        cfg.num_layers * rates.cascade_layer_floor_s)
