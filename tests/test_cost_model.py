@@ -22,7 +22,7 @@ def work(doc, questions, answer=128, question=14):
 def test_long_shared_documents_leave_stock(doc, questions):
     mode, _, predicted = cm.choose(preset_config("codellama-7b"), work(doc, questions), GPU, MODES)
     assert mode != "stock"
-    # a clear gain: on the H200 the smaller cell measured 4.66x over stock (run 3)
+    # a clear gain: on the H200 the smaller cell measured 3.41x over stock (run 5)
     assert predicted["stock"] > 3 * predicted[mode]
 
 
@@ -47,16 +47,20 @@ def test_stock_attention_grows_with_questions_and_document():
     assert cm.attention_seconds(cfg, work(8192, 128), "stock", 1, GPU) == pytest.approx(2 * a)
 
 
-# Run 3 on the H200 (benchmarks/results/h200/run3/*.json): every cell, model, doc, questions,
-# answer tokens; cascade was the fastest mode on each, 1.04x over stock on the smallest.
-RUN3_CELLS = [("codellama-7b", d, q, 128) for d in (8192, 16384) for q in (64, 128, 256)] + [
-    ("qwen2.5-7b", 8192, 64, 128), ("qwen2.5-7b", 16384, 256, 128),
-    ("codellama-7b", 512, 16, 128), ("codellama-7b", 8192, 4, 128), ("qwen2.5-1.5b", 8192, 64, 128),
-    ("codellama-7b", 8192, 128, 512), ("codellama-7b", 8192, 128, 1024)]
+# Run 5 on the H200 (benchmarks/results/h200/run5/*.json): model, doc, questions, answer tokens,
+# and the mode auto must pick. Cascade won clearly on every cell but two (run 4's long-answer
+# cells are kept: cascade 5.4x / 4.4x there). On the two ties (measured within the runs' ~5%
+# spread: 512/16 cascade 1.00-1.05x, Qwen2.5-1.5B 8k/64 cascade 0.97-1.01x, parallel
+# 1.02-1.07x) auto must keep the baseline.
+RUN5_CELLS = [("codellama-7b", d, q, 128, "cascade") for d in (8192, 16384) for q in (64, 128, 256)] + [
+    ("qwen2.5-7b", 8192, 64, 128, "cascade"), ("qwen2.5-7b", 16384, 256, 128, "cascade"),
+    ("codellama-7b", 8192, 4, 128, "cascade"),
+    ("codellama-7b", 8192, 128, 512, "cascade"), ("codellama-7b", 8192, 128, 1024, "cascade"),
+    ("codellama-7b", 512, 16, 128, "stock"), ("qwen2.5-1.5b", 8192, 64, 128, "stock")]
 
 
-@pytest.mark.parametrize("model,doc,questions,answer", RUN3_CELLS)
-def test_auto_picks_the_mode_measured_fastest_on_the_h200(model, doc, questions, answer):
+@pytest.mark.parametrize("model,doc,questions,answer,expected", RUN5_CELLS)
+def test_auto_picks_the_mode_measured_fastest_on_the_h200(model, doc, questions, answer, expected):
     """The byte tokenizer of the dummy presets makes each benchmark question ~60 tokens."""
     mode, _, _ = cm.choose(preset_config(model), work(doc, questions, answer, question=60), GPU, MODES)
-    assert mode == "cascade"
+    assert mode == expected
