@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ppqa.kernels import _arch
 from ppqa.kernels._ref import masked_attention_ref
-from ppqa.kernels._tile import NEG_BIG, softmax_update, tile_scores, write_rows
+from ppqa.kernels._tile import NEG_BIG, softmax_update, tile_scores, tma_tiles, write_rows
 from ppqa.kernels.merge import PartialScratch, merge_partials, partial_buffers, partial_strides
 
 
@@ -81,15 +81,9 @@ def _prefix_kernel(
             slot0 = slot0.to(tl.int64)
         tail = lo
         if TMA:
-            # whole tiles as one 2-D block each of K and V (tensor memory accelerator copies)
-            tail = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-            col = (kvh * HEAD_DIM).to(tl.int32)
-            for start in range(lo, tail, BLOCK_N):
-                row = (slot0 + start).to(tl.int32)
-                k = K_desc.load([row, col]).to(DOT_DT)
-                v = V_desc.load([row, col]).to(DOT_DT)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-                m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, True, PREC)
+            tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, slot0, lo, hi,
+                                            (kvh * HEAD_DIM).to(tl.int32), scale_log2,
+                                            m_i, l_i, acc, BLOCK_N, True, DOT_DT, P_DT, PREC)
         for start in range(tail, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             c_ok = cols < hi
