@@ -99,7 +99,9 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
             return o
 
     for variant, config, splits in [("gather", None, None)] + [("contiguous", *c) for c in configs]:
-        tiles, options = (config[:4], config[4] if len(config) > 4 else {}) if config else (None, {})
+        tiles, options = None, {}
+        if config is not None:
+            tiles, options = config[:4], (config[4] if len(config) > 4 else {})
         row = {"mode": f"contig_{kernel}", "variant": variant, "tiles": tiles, "splits": splits,
                "options": options}
         fn = lambda: run(splits, tiles and Tiles(*tiles), variant == "contiguous",  # noqa: E731

@@ -52,7 +52,8 @@ def test_stock_attention_grows_with_questions_and_document():
 # cells are kept: cascade 5.4x / 4.4x there). On the two ties (measured within the runs' ~5%
 # spread: 512/16 cascade 1.00-1.05x, Qwen2.5-1.5B 8k/64 cascade 0.97-1.01x, parallel
 # 1.02-1.07x) auto must keep the baseline.
-RUN5_CELLS = [("codellama-7b", d, q, 128, "cascade") for d in (8192, 16384) for q in (64, 128, 256)] + [
+RUN5_CELLS = [("codellama-7b", d, q, 128, "cascade")
+              for d in (8192, 16384) for q in (64, 128, 256)] + [
     ("qwen2.5-7b", 8192, 64, 128, "cascade"), ("qwen2.5-7b", 16384, 256, 128, "cascade"),
     ("codellama-7b", 8192, 4, 128, "cascade"),
     ("codellama-7b", 8192, 128, 512, "cascade"), ("codellama-7b", 8192, 128, 1024, "cascade"),
@@ -62,5 +63,6 @@ RUN5_CELLS = [("codellama-7b", d, q, 128, "cascade") for d in (8192, 16384) for 
 @pytest.mark.parametrize("model,doc,questions,answer,expected", RUN5_CELLS)
 def test_auto_picks_the_mode_measured_fastest_on_the_h200(model, doc, questions, answer, expected):
     """The byte tokenizer of the dummy presets makes each benchmark question ~60 tokens."""
-    mode, _, _ = cm.choose(preset_config(model), work(doc, questions, answer, question=60), GPU, MODES)
+    cfg = preset_config(model)
+    mode, _, _ = cm.choose(cfg, work(doc, questions, answer, question=60), GPU, MODES)
     assert mode == expected

@@ -66,7 +66,8 @@ class DeviceRates:
     def for_device(kind: str) -> DeviceRates:
         if kind == "cuda":  # H200 measured here: 4.3 TB/s copy, ~790 TFLOP/s bf16
             return DeviceRates(bandwidth=4.3e12, matmul=7.9e14, stock_mem_eff=2.46,
-                               stock_gqa_mem_eff=3.09, cascade_layer_floor_s=40e-6, step_overhead_s=2e-3)
+                               stock_gqa_mem_eff=3.09, cascade_layer_floor_s=40e-6,
+                               step_overhead_s=2e-3)
         # The CPU's torch backend: no L2 sharing to speak of, masked keys cost as much as others.
         return DeviceRates(bandwidth=2.0e10, matmul=1.0e11, parallel_mem_eff=1.0,
                            parallel_flop_eff=0.5, cascade_mem_eff=1.0, cascade_flop_eff=0.5)

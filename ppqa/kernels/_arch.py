@@ -124,10 +124,10 @@ def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
     return Tiles(block_m, 32, 1, 3)
 
 
-def use_tma(device: torch.device, kernel: str) -> bool:
-    """Whether `kernel` ("decode", "prefix", "extend") reads a contiguous document's whole
-    tiles through tensor descriptors (the tensor memory accelerator, sm_90 and later) by
-    default; elsewhere, and under the interpreter, pointer loads (tests force both paths).
+def use_tma(device: torch.device) -> bool:
+    """Whether the decode, prefix and extend kernels read a contiguous document's whole tiles
+    through tensor descriptors (the tensor memory accelerator, sm_90 and later) by default;
+    elsewhere, and under the interpreter, pointer loads (tests force both paths).
 
     H200, run 5 (kernels.py --sweep-decode / --sweep-prefix, graph replays, default tiles):
     stock decode 16k/256 CodeLlama 6.58 -> 6.11 ms a layer, Qwen2.5 0.905 -> 0.661 (SDPA per

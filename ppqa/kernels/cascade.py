@@ -14,6 +14,8 @@ Contiguous documents (doc_starts given, group g's document = slots doc_starts[g]
 constexpr variant reads K/V at affine addresses, without req_to_token, so Triton's pipeliner
 issues them as async copies stages ahead; it is a plain FlashAttention forward, with its own
 tiles (`_arch.contig_prefix_tiles`) and a split count that fills whole waves (`wave_splits`).
+On sm_90 its whole key tiles come through tensor descriptors instead (`_tile.tma_tiles`: one
+2-D copy per K or V tile), the last partial tile through masked loads.
 
 The decode step's suffix (row[doc_len : seq_len] per request) goes through decode_attention,
 and the partial states of both are combined by log-sum-exp (`merge_partials`; the backend
@@ -164,11 +166,12 @@ def launch_shared_prefix(
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     descs = None
-    if contiguous and (tma if tma is not None else _arch.use_tma(q.device, "prefix")):
+    if contiguous and (tma if tma is not None else _arch.use_tma(q.device)):
         descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
         q, part_o, part_lse,
-        k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, group_req_indptr, doc_req_indices, doc_lens,
+        k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, group_req_indptr,
+        doc_req_indices, doc_lens,
         doc_starts if contiguous else doc_lens,
         sm_scale * math.log2(math.e), state_offset, num_splits,
         q.stride(0), q.stride(1), *partial_strides(part_o, part_lse, True),

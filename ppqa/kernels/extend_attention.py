@@ -17,8 +17,9 @@ Every grid dimension depends only on (B, heads, max tiles, splits); real lengths
 Contiguous documents (doc_start/doc_len given): a request's document usually sits in one run of
 slots (the allocator is first-fit over runs) and every document slot has sid -1. Stage 1 then
 reads row positions [0, doc_len) as slots doc_start + i, with no req_to_token or slot_sid load:
-addresses affine in the loop index, which Triton's pipeliner turns into async copies; only the
-rest of the row (the questions and answers) goes through the gather loop.
+addresses affine in the loop index, which Triton's pipeliner turns into async copies (on sm_90,
+whole tiles through tensor descriptors: `_tile.tma_tiles`); only the rest of the row (the
+questions and answers) goes through the gather loop.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def extend_attention(
     lse_arg = lse if lse is not None else o
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, device)
     descs = None
-    if has_doc and (tma if tma is not None else _arch.use_tma(device, "extend")):
+    if has_doc and (tma if tma is not None else _arch.use_tma(device)):
         descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
     grid = (batch, num_kv_heads * m_tiles, num_splits)
     _extend_kernel[grid](
