@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ppqa.engine.attention import ForwardMetadata
+from ppqa.kernels import _arch
 from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits, shared_prefix_attention
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
@@ -166,17 +167,12 @@ class TritonBackend:
         part_o, part_lse = self.scratch.views(q.shape[0], self.num_heads, states, self.head_dim)
         side = self._fork()
         with torch.cuda.stream(side):  # None: a no-op, the launches run in order
-            # Beside the suffix an MHA document part keeps pointer loads: its TMA variant takes
-            # 151 registers a thread (vs 140), which leaves room for fewer suffix CTAs on its
-            # SMs; run 5 (16k/256, a layer): CodeLlama 0.300 ms with TMA vs 0.274 without,
-            # although the part alone ran faster (0.143 vs 0.159). GQA's TMA variant takes
-            # fewer registers (148 vs 168): Qwen2.5 0.158 with TMA vs 0.172 without.
-            mha = self.num_heads == self.num_kv_heads
+            beside = _arch.overlapped_prefix_tma(self.num_heads // self.num_kv_heads)
             launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
                                  casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
                                  self.sm_scale, plan.prefix_splits, part_o, part_lse,
                                  state_offset=plan.splits, doc_starts=self._doc_starts(casc),
-                                 tma=False if side is not None and mha else None)
+                                 tma=beside if side is not None else None)
         launch_decode(q, k_buf, v_buf, meta.req_to_token, meta.req_indices, meta.kv_start,
                       meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,
                       part_lse=part_lse, seq_len_offset=1)

@@ -165,9 +165,7 @@ def launch_shared_prefix(
                                       contiguous)
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
-    descs = None
-    if contiguous and (tma if tma is not None else _arch.use_tma(q.device)):
-        descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
+    descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n, tma) if contiguous else None
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
         q, part_o, part_lse,
         k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, group_req_indptr,

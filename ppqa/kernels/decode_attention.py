@@ -149,9 +149,7 @@ def launch_decode(
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
     tiles = tiles or _arch.decode_tiles(q.device, q.dtype, group)
-    descs = None
-    if has_doc and (tma if tma is not None else _arch.use_tma(q.device)):
-        descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
+    descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n, tma) if has_doc else None
     partial = part_o is not None
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     dummy = part_o if partial else o

@@ -229,9 +229,7 @@ def extend_attention(
         part_o, part_lse = o, o  # unused by the kernel
     lse_arg = lse if lse is not None else o
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, device)
-    descs = None
-    if has_doc and (tma if tma is not None else _arch.use_tma(device)):
-        descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n)
+    descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n, tma) if has_doc else None
     grid = (batch, num_kv_heads * m_tiles, num_splits)
     _extend_kernel[grid](
         q, k_new, v_new, o, lse_arg, part_o, part_lse,
