@@ -1,5 +1,5 @@
 """The contiguous-document sweeps of `benchmarks/kernels.py` (--sweep-prefix, --sweep-extend,
---sweep-decode).
+--sweep-decode, --sweep-prefill).
 
 For one cell (16k/256 on the H200), the document read at affine addresses
 (launch_shared_prefix(doc_starts=...), extend_attention / decode_attention(doc_start=, doc_len=))
@@ -38,14 +38,22 @@ CONTIG_SWEEP = {
     # launch order (all KV heads of a request adjacent: 0.92 / 7.46); here tiles under TMA
     "decode": [(16, 32, 1, 3), (16, 32, 1, 3, PTR), (16, 16, 1, 4), (16, 64, 1, 3),
                (16, 32, 1, 4), (16, 64, 1, 2), (16, 32, 2, 3), (16, 64, 2, 3)],
+    # parallel's question prefill (P streams x PREFILL_TOKENS new tokens a request, against the
+    # document): run 6 profiled 139 ms of extend kernel in the 8k/64 P=64 prefill, ~55 TFLOP/s
+    # on the default (64, 64, 8, 2); the prefix kernel's product runs at ~430
+    "prefill": [(64, 64, 8, 2), (64, 64, 8, 2, PTR), (128, 64, 8, 3), (128, 64, 8, 2),
+                (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3)],
 }
-CONTIG_SPLITS = {"prefix": [None, 2], "extend": [None, 2], "decode": [None, 8]}
+CONTIG_SPLITS = {"prefix": [None, 2], "extend": [None, 2], "decode": [None, 8], "prefill": [None]}
+PREFILL_STREAMS, PREFILL_TOKENS = 32, 28  # bench questions are ~28 byte tokens with the template
 
 
 def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
     """"prefix": the cascade document part (all questions against the document, one group);
     "extend": the parallel P=32 step; "decode": the stock step (one request per question, the
-    document hints as the engine passes them). `grid`: kernels.py's Grid of one cell, which puts the
+    document hints as the engine passes them); "prefill": parallel's question prefill, requests
+    of PREFILL_STREAMS streams of PREFILL_TOKENS new tokens each, stream-major, against the
+    document (FLOPs: the document part and each stream's causal own part). `grid`: kernels.py's Grid of one cell, which puts the
     document at slots 1..L (doc_start = 1); bench_replay times a CUDA graph replay.
     doc_TFLOPs counts the document part's useful FLOPs only; splits None = the planner's."""
     doc_len, questions, dev = grid.doc_len, grid.questions, grid.q.device
@@ -84,6 +92,27 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
                              scratch=backend.scratch, seq_len_offset=1, tiles=tiles,
                              **(doc if contiguous else {}), **options)
             return o
+    elif kernel == "prefill":
+        p, n = min(PREFILL_STREAMS, questions), PREFILL_TOKENS
+        batch, tokens = questions // p, questions * n
+        new = lambda: torch.randn(tokens, grid.num_kv_heads, grid.head_dim,  # noqa: E731
+                                  device=dev, dtype=grid.q.dtype)
+        q = torch.randn(tokens, grid.num_heads, grid.head_dim, device=dev, dtype=grid.q.dtype)
+        k_new, v_new, o = new(), new(), torch.empty_like(q)
+        table = grid.doc.expand(batch, -1).contiguous()
+        qo_indptr = torch.arange(0, tokens + 1, p * n, **i32)
+        q_sid = (torch.arange(tokens, device=dev) // n % p).to(torch.int32)
+        slot_sid = torch.full((grid.k.shape[0],), -1, **i32)
+        zeros, lens = torch.zeros(batch, **i32), torch.full((batch,), doc_len, **i32)
+        doc = dict(doc_start=torch.ones(batch, **i32), doc_len=lens)
+        flops = 4 * grid.head_dim * grid.num_heads * questions * n * (doc_len + (n + 1) / 2)
+
+        def run(splits, tiles=None, contiguous=False, **options):
+            extend_attention(q, k_new, v_new, o, grid.k, grid.v, table, torch.arange(batch, **i32),
+                             zeros, lens, qo_indptr, q_sid, slot_sid, p * n, 1 / grid.head_dim ** 0.5,
+                             max_prefix_len=doc_len, num_splits=splits, tiles=tiles,
+                             **(doc if contiguous else {}), **options)
+            return o
     else:
         backend, meta = grid.parallel(32)
         doc = dict(doc_start=torch.ones(meta.batch_size, **i32),
@@ -117,6 +146,10 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
             row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
         rows.append(row)
     shared = kernel != "decode"  # the stock decode's SDPA counterpart reads per question
+    if kernel == "prefill":  # no SDPA counterpart of the stream mask here
+        for row in rows:
+            row.update(model=model, doc_tokens=doc_len, questions=questions)
+        return rows
     try:
         row = {"ms": round(grid.sdpa(shared=shared, timer=bench_replay), 4)}
     except (RuntimeError, torch.OutOfMemoryError) as e:

@@ -307,9 +307,11 @@ def main() -> None:
                         help="the --sweep-* cell, e.g. 8192/64 (default 16384/256)")
     parser.add_argument("--sweep-extend", action="store_true",
                         help="only the contiguous extend sweep (16k/256, P=32)")
+    parser.add_argument("--sweep-prefill", action="store_true",
+                        help="only parallel's question prefill sweep (16k/256, P=32)")
     args = parser.parse_args()
     contig = [k for k, on in (("prefix", args.sweep_prefix), ("extend", args.sweep_extend),
-                              ("decode", args.sweep_decode)) if on]
+                              ("decode", args.sweep_decode), ("prefill", args.sweep_prefill)) if on]
     if args.out is None:
         name = "kernels_contig_sweep.json" if contig else "kernels_h200.json"
         args.out = os.path.join(os.path.dirname(default_out), name)
