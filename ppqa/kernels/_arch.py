@@ -77,8 +77,8 @@ def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int,
     sm_90, bf16/fp16 (NOTES.md, run 2): decode steps are fastest with 16-32 query rows x 64
     keys and 8 warps (P=32 at 16k/256: 0.97 ms vs 2.38 ms with 64 x 32, on both models); the
     two-stage kernel spills past that (compile_check.py). Prefills (many rows, compute-bound)
-    take 64 x 64 (a few spilled bytes; unmeasured). fp32 (exact "ieee" dots, tests only) uses
-    the smallest tiles that compile without spills.
+    take 64 x 64 (8 warps, 2 stages when gathering; unmeasured). fp32 (exact "ieee" dots, tests
+    only) uses the smallest tiles that compile without spills.
     Contiguous documents, decode steps (H200 sweep, CUDA graph replays, P=32 at 16k/256;
     gather 0.97 / 0.95 ms): 4 warps, 3 stages, two CTAs an SM. MHA 64 x 64: 0.52 ms vs 0.57
     for 32 x 64 and 0.65 for 64 x 32; 252-254 registers, no spills while one query tile holds
@@ -90,16 +90,20 @@ def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int,
     Run 5, the document's tiles through TMA (`use_tma`): P=32 at 16k/256 0.52 -> 0.44 ms
     CodeLlama; GQA 64 x 64 0.298 ms vs 0.340 for 64 x 32 (pointer loads: 0.349 vs 0.375), so
     both models now take 64 x 64 (the GQA variant spills 8 bytes with TMA, 40 without).
+    Run 6, parallel's question prefill with a contiguous document (kernels.py --sweep-prefill,
+    P=32, 28-token questions): 4 warps x 3 stages 0.62 ms a layer at 8k/64 against 1.69 for
+    8 x 2 (CodeLlama; 3.80 vs 11.36 at 16k/256, 507 TFLOP/s; Qwen2.5 alike); 128 x 64 x 8 x 3
+    0.67 / 4.03. So prefills over a contiguous document take the decode steps' tile too.
     """
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
     if not is_gpu(device):
         return Tiles(min(want_m, 128), 128, 4, 1)
     if dtype == torch.float32:
         return Tiles(16, 32, 4, 2)
-    if rows > 512:
-        return Tiles(64, 64, 8, 2)
     if contiguous:
         return Tiles(64, 64, 4, 3)
+    if rows > 512:
+        return Tiles(64, 64, 8, 2)
     return Tiles(min(want_m, 32), 64, 8, 2)
 
 
