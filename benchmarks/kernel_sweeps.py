@@ -39,8 +39,8 @@ CONTIG_SWEEP = {
     "decode": [(16, 32, 1, 3), (16, 32, 1, 3, PTR), (16, 16, 1, 4), (16, 64, 1, 3),
                (16, 32, 1, 4), (16, 64, 1, 2), (16, 32, 2, 3), (16, 64, 2, 3)],
     # parallel's question prefill (P streams x PREFILL_TOKENS new tokens a request, against the
-    # document): run 6 profiled 139 ms of extend kernel in the 8k/64 P=64 prefill, ~55 TFLOP/s
-    # on the default (64, 64, 8, 2); the prefix kernel's product runs at ~430
+    # document): run 6 profiled 139 ms of extend kernel in the 8k/64 P=64 prefill, ~140 TFLOP/s
+    # on run 5's (64, 64, 8, 2); run 6's sweep moved it to the decode steps' (64, 64, 4, 3)
     "prefill": [(64, 64, 8, 2), (64, 64, 8, 2, PTR), (128, 64, 8, 3), (128, 64, 8, 2),
                 (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3)],
 }
@@ -53,9 +53,10 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
     "extend": the parallel P=32 step; "decode": the stock step (one request per question, the
     document hints as the engine passes them); "prefill": parallel's question prefill, requests
     of PREFILL_STREAMS streams of PREFILL_TOKENS new tokens each, stream-major, against the
-    document (FLOPs: the document part and each stream's causal own part). `grid`: kernels.py's Grid of one cell, which puts the
-    document at slots 1..L (doc_start = 1); bench_replay times a CUDA graph replay.
-    doc_TFLOPs counts the document part's useful FLOPs only; splits None = the planner's."""
+    document. `grid`: kernels.py's Grid of one cell, which puts the document at slots 1..L
+    (doc_start = 1); bench_replay times a CUDA graph replay. doc_TFLOPs counts the document
+    part's useful FLOPs only (the prefill's: also each stream's causal own part); splits None =
+    the planner's."""
     doc_len, questions, dev = grid.doc_len, grid.questions, grid.q.device
     heads, i32 = (grid.num_heads, grid.num_kv_heads, grid.head_dim), dict(device=dev, dtype=torch.int32)
     flops = 4 * grid.head_dim * grid.num_heads * questions * doc_len
@@ -145,17 +146,14 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
         except Exception as e:  # a variant that does not compile or fit is a result too
             row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
         rows.append(row)
-    shared = kernel != "decode"  # the stock decode's SDPA counterpart reads per question
-    if kernel == "prefill":  # no SDPA counterpart of the stream mask here
-        for row in rows:
-            row.update(model=model, doc_tokens=doc_len, questions=questions)
-        return rows
-    try:
-        row = {"ms": round(grid.sdpa(shared=shared, timer=bench_replay), 4)}
-    except (RuntimeError, torch.OutOfMemoryError) as e:
-        row = {"error": str(e)[:160]}
-    rows.append({"mode": f"contig_{kernel}",
-                 "variant": "sdpa_shared" if shared else "sdpa_per_question"} | row)
+    if kernel != "prefill":  # the prefill's stream mask has no SDPA counterpart here
+        shared = kernel != "decode"  # the stock decode's SDPA counterpart reads per question
+        try:
+            row = {"ms": round(grid.sdpa(shared=shared, timer=bench_replay), 4)}
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            row = {"error": str(e)[:160]}
+        rows.append({"mode": f"contig_{kernel}",
+                     "variant": "sdpa_shared" if shared else "sdpa_per_question"} | row)
     for row in rows:
         row.update(model=model, doc_tokens=doc_len, questions=questions)
     return rows

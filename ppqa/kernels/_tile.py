@@ -89,16 +89,19 @@ def doc_run(Doc_start, Doc_len, b, hi, IDX64: tl.constexpr):
 
 @triton.jit
 def tma_tiles(q, K_desc, V_desc, slot0, lo, hi, col, scale_log2, m_i, l_i, acc,
-              BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_DT: tl.constexpr,
-              P_DT: tl.constexpr, PREC: tl.constexpr):
+              TMA: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
+              DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr):
     """The whole key tiles of row positions [lo, hi) of a contiguous document (slots slot0 + i)
     through tensor descriptors, one 2-D block each of K and V at (slot, col), every key visible.
-    Returns (the first position left for the caller's masked loop, m_i, l_i, acc)."""
-    tail = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, tail, BLOCK_N):
-        row = (slot0 + start).to(tl.int32)
-        k = K_desc.load([row, col]).to(DOT_DT)
-        v = V_desc.load([row, col]).to(DOT_DT)
-        s = tile_scores(q, k, scale_log2, USE_DOT, PREC)
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
+    Returns (the first position left for the caller's masked loop, m_i, l_i, acc); without TMA
+    (K_desc/V_desc are then the pools, unused) it reads nothing and leaves the row from lo."""
+    tail = lo
+    if TMA:
+        tail = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, tail, BLOCK_N):
+            row = (slot0 + start).to(tl.int32)
+            k = K_desc.load([row, col]).to(DOT_DT)
+            v = V_desc.load([row, col]).to(DOT_DT)
+            s = tile_scores(q, k, scale_log2, USE_DOT, PREC)
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
     return tail, m_i, l_i, acc

@@ -81,11 +81,9 @@ def _prefix_kernel(
         slot0 = tl.load(Doc_starts + g)
         if IDX64:
             slot0 = slot0.to(tl.int64)
-        tail = lo
-        if TMA:
-            tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, slot0, lo, hi,
-                                            (kvh * HEAD_DIM).to(tl.int32), scale_log2,
-                                            m_i, l_i, acc, BLOCK_N, True, DOT_DT, P_DT, PREC)
+        tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, slot0, lo, hi,
+                                        (kvh * HEAD_DIM).to(tl.int32), scale_log2, m_i, l_i,
+                                        acc, TMA, BLOCK_N, True, DOT_DT, P_DT, PREC)
         for start in range(tail, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             c_ok = cols < hi

@@ -86,11 +86,9 @@ def _decode_kernel(
     if HAS_DOC:
         # The document piece [lo, min(hi, doc_len)): slots doc_start + i, no req_to_token load.
         doc_hi, doc_slot0 = doc_run(Doc_start, Doc_len, b, hi, IDX64)
-        tail = lo
-        if TMA:
-            tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, doc_slot0, lo, doc_hi,
-                                            (kvh * HEAD_DIM).to(tl.int32), scale_log2,
-                                            m_i, l_i, acc, BLOCK_N, USE_DOT, DOT_DT, P_DT, PREC)
+        tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, doc_slot0, lo, doc_hi,
+                                        (kvh * HEAD_DIM).to(tl.int32), scale_log2, m_i, l_i,
+                                        acc, TMA, BLOCK_N, USE_DOT, DOT_DT, P_DT, PREC)
         for start in range(tail, doc_hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _decode_tile(q, K_pool, V_pool, doc_slot0 + cols, cols < doc_hi,
