@@ -145,6 +145,34 @@ def replay_time(engine: Engine, repeats: int = 20) -> dict[str, float]:
     return out
 
 
+def profile_replay(engine: Engine, repeats: int = 5) -> dict:
+    """torch.profiler over replays of the largest captured decode graph: device microseconds per
+    replay, per kernel category (kernels on the cascade side stream overlap the main stream's,
+    so the categories can sum to more than the replay)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine._parts.runner.graphs
+    if graphs is None or not graphs.graphs:
+        return {}
+    key, step = max(graphs.graphs.items(), key=lambda kv: kv[0][1])
+    step.graph.replay()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step.graph.replay()
+        sync()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.self_device_time_total > 0:
+            per_kernel[evt.key] += evt.self_device_time_total / repeats
+    per_cat: dict[str, float] = defaultdict(float)
+    for name, us in per_kernel.items():
+        per_cat[kernel_category(name)] += us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30]
+    return {"graph": str(key), "total_us": sum(per_kernel.values()),
+            "categories_us": dict(per_cat), "top_kernels_us": [[n[:120], us] for n, us in top]}
+
+
 def step_floor(engine: Engine, doc_tokens: int, questions: int, own_tokens: float = 0.0,
                copy_tbps: float = 4.16, tflops: float = 792.0) -> dict[str, float]:
     """The decode step's floor for a shared-document mode: the larger of the bytes it must move
@@ -221,7 +249,8 @@ def main() -> None:
                "host_ms_per_step": {k: 1e3 * v / max(1, timer.calls.get(k, steps))
                                     for k, v in timer.totals.items()},
                "host_calls": dict(timer.calls),
-               "replay_ms": replay_time(engine)}
+               "replay_ms": replay_time(engine),
+               "replay_kernels": profile_replay(engine)}
         row["kernels"] = profile_kernels(engine, document, questions, mode, args.streams,
                                          args.profile_tokens)
         results["modes"][mode] = row
@@ -231,6 +260,11 @@ def main() -> None:
             print(f"   host {k:28s} {v:8.3f} ms/call")
         for k, v in row["replay_ms"].items():
             print(f"   replay {k}: {v:.3f} ms")
+        rk = row["replay_kernels"]
+        if rk:
+            print(f"   kernels in a graph replay ({rk['graph'][:40]}...): {rk['total_us'] / 1e3:.3f} ms")
+            for cat, us in sorted(rk["categories_us"].items(), key=lambda kv: -kv[1]):
+                print(f"   replay {cat:28s} {us / 1e3:8.3f} ms/step")
         prof = row["kernels"]
         print(f"   kernels, eager, per decode step: {prof['total_us_per_step'] / 1e3:.3f} ms")
         for cat, us in sorted(prof["categories_us"].items(), key=lambda kv: -kv[1]):
