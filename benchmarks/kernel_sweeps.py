@@ -170,3 +170,98 @@ def print_contig(rows: list[dict]) -> None:
         print(f"{r['model']:13} {r['mode']:14} {r['variant']:11} {str(r.get('tiles') or ''):>17} "
               f"{options:>20} {splits:>6} {ms or r.get('error'):>8} {base / ms if ms and base else '':>8.4} "
               f"{r.get('doc_TFLOPs', ''):>8} {r.get('max_abs_diff_vs_gather', '')}")
+
+
+# --sweep-cascade: cascade's whole decode step of attention (TritonBackend.forward: K/V store,
+# the document part beside or before the suffix, the merge) over variants of the document
+# part's tile, its TMA switch, its split count and the side stream's priority; and each part
+# alone. (label, tiles or None = _arch's, tma beside the suffix (None = _arch's), overlap,
+# document splits (None = planned), side stream priority)
+CASCADE_VARIANTS = [
+    ("now", None, None, True, None, -1),
+    ("serial", None, None, False, None, -1),
+    ("128x64x8x3 tma", (128, 64, 8, 3), True, True, None, -1),
+    ("64x64x4x3 ptr", (64, 64, 4, 3), False, True, None, -1),
+    ("64x64x4x3 tma", (64, 64, 4, 3), True, True, None, -1),
+    ("64x64x4x3 serial", (64, 64, 4, 3), None, False, None, -1),
+    ("now, side prio 0", None, None, True, None, 0),
+    ("now, doc splits 1", None, None, True, 1, -1),
+    ("now, doc splits 2", None, None, True, 2, -1),
+    ("64x64x4x3 tma, splits 1", (64, 64, 4, 3), True, True, 1, -1),
+    ("64x64x4x3 tma, splits 2", (64, 64, 4, 3), True, True, 2, -1),
+]
+
+
+def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
+    """The cascade decode step's attention (one layer) over CASCADE_VARIANTS, each checked
+    against the first; then the document part alone and the suffix part alone at the planned
+    splits (no merge). `grid`: kernels.py's Grid, whose Q_TOKENS / ANSWERED set the suffix."""
+    import contextlib
+
+    from ppqa.kernels import _arch
+    from ppqa.kernels.decode_attention import launch_decode
+
+    rows, reference = [], None
+    variants = CASCADE_VARIANTS[:2] if smoke else CASCADE_VARIANTS
+
+    @contextlib.contextmanager
+    def patched(tiles, tma):
+        saved = _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma
+        if tiles is not None:
+            _arch.contig_prefix_tiles = lambda *a, **k: Tiles(*tiles)
+        if tma is not None:
+            _arch.overlapped_prefix_tma = lambda group: tma
+        try:
+            yield
+        finally:
+            _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma = saved
+
+    for label, tiles, tma, overlap, doc_splits, priority in variants:
+        row = {"mode": "cascade_step", "variant": label, "tiles": tiles, "tma": tma,
+               "overlap": overlap, "doc_splits": doc_splits, "priority": priority}
+        with patched(tiles, tma):
+            backend, meta = grid.stock(cascade=True)
+            backend.overlap = overlap
+            if backend._side is not None and priority != -1:
+                backend._side = torch.cuda.Stream(grid.q.device, priority=priority)
+            plan = backend.plan(meta)
+            if doc_splits is not None:
+                plan.prefix_splits = doc_splits
+            backend.plan = lambda meta, plan=plan: plan
+            row["plan"] = [plan.splits, plan.prefix_splits]
+            step = lambda: backend.forward(0, grid.q, grid.k_new, grid.v_new, meta)  # noqa: E731
+            try:
+                row["ms"] = round(bench_replay(step), 4)
+                out = step().float()
+                reference = out if reference is None else reference
+                row["max_abs_diff"] = round(float((out - reference).abs().max()), 5)
+            except Exception as e:  # a variant that does not compile or fit is a result too
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            if label in ("now", "64x64x4x3 tma"):  # its parts alone, as planned
+                casc = meta.cascade
+                states = plan.splits + plan.prefix_splits
+                part = backend.scratch.views(grid.questions, grid.num_heads, states,
+                                             grid.head_dim)
+                beside = _arch.overlapped_prefix_tma(grid.num_heads // grid.num_kv_heads)
+                row["doc_alone_ms"] = round(bench_replay(lambda: launch_shared_prefix(
+                    grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
+                    casc.doc_req_indices, casc.doc_lens, casc.max_group_size, backend.sm_scale,
+                    plan.prefix_splits, *part, state_offset=plan.splits,
+                    doc_starts=backend._doc_starts(casc), tma=beside)), 4)
+                row["suffix_alone_ms"] = round(bench_replay(lambda: launch_decode(
+                    grid.q, grid.k, grid.v, meta.req_to_token, meta.req_indices, meta.kv_start,
+                    meta.prefix_lens, backend.sm_scale, plan.splits, part_o=part[0],
+                    part_lse=part[1], seq_len_offset=1)), 4)
+        rows.append(row)
+    for row in rows:
+        row.update(model=model, doc_tokens=grid.doc_len, questions=grid.questions)
+    return rows
+
+
+def print_cascade(rows: list[dict]) -> None:
+    print(f"{'model':13} {'variant':26} {'plan':>9} {'ms':>8} {'doc alone':>9} "
+          f"{'suffix alone':>12} diff")
+    for r in rows:
+        print(f"{r['model']:13} {r['variant']:26} {str(r.get('plan')):>9} "
+              f"{r.get('ms', r.get('error'))!s:>8} {r.get('doc_alone_ms', ''):>9} "
+              f"{r.get('suffix_alone_ms', ''):>12} {r.get('max_abs_diff', '')}")

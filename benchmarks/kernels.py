@@ -288,6 +288,7 @@ def sweep(model: str, doc_len: int, questions: int, gen) -> list[dict]:
 
 
 def main() -> None:
+    global GRAPHS, GATHER, Q_TOKENS, ANSWERED
     parser = argparse.ArgumentParser()
     default_out = os.path.join(os.environ.get("OUT", "benchmarks/results"), "kernels_h200.json")
     parser.add_argument("--out", default=None, help=f"JSON path (default {default_out}, or "
@@ -309,13 +310,21 @@ def main() -> None:
                         help="only the contiguous extend sweep (16k/256, P=32)")
     parser.add_argument("--sweep-prefill", action="store_true",
                         help="only parallel's question prefill sweep (16k/256, P=32)")
+    parser.add_argument("--sweep-cascade", action="store_true",
+                        help="only cascade's decode step over document tiles, TMA, splits and "
+                        "overlap, and its parts alone (16k/256)")
+    parser.add_argument("--q-tokens", type=int, default=Q_TOKENS,
+                        help="tokens of each question (default %(default)s)")
+    parser.add_argument("--answered", type=int, default=ANSWERED,
+                        help="answer tokens already generated (default %(default)s)")
     args = parser.parse_args()
     contig = [k for k, on in (("prefix", args.sweep_prefix), ("extend", args.sweep_extend),
                               ("decode", args.sweep_decode), ("prefill", args.sweep_prefill)) if on]
     if args.out is None:
-        name = "kernels_contig_sweep.json" if contig else "kernels_h200.json"
+        name = ("kernels_contig_sweep.json" if contig or args.sweep_cascade
+                else "kernels_h200.json")
         args.out = os.path.join(os.path.dirname(default_out), name)
-    global GRAPHS, GATHER
+    Q_TOKENS, ANSWERED = args.q_tokens, args.answered
     GRAPHS = args.graphs and DEV == "cuda"
     GATHER = args.gather
     if args.smoke:
@@ -332,6 +341,19 @@ def main() -> None:
     if args.smoke:
         docs, qs = [300], [64]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if args.sweep_cascade:
+        from kernel_sweeps import cascade_step_sweep, print_cascade
+
+        doc_len, questions = map(int, args.cell.split("/")) if args.cell else (docs[-1], qs[-1])
+        for model in MODELS:
+            grid = Grid(MODELS[model], doc_len, questions, gen)
+            result["rows"] += cascade_step_sweep(grid, model, bench_replay, args.smoke)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+            del grid
+        print(f"calibration: {result['calibration']}")
+        print_cascade(result["rows"])
+        return
     if contig:
         from kernel_sweeps import contig_sweep, print_contig  # this script's folder is on sys.path
 

@@ -154,7 +154,10 @@ def profile_replay(engine: Engine, repeats: int = 5) -> dict:
     graphs = engine._parts.runner.graphs
     if graphs is None or not graphs.graphs:
         return {}
-    key, step = max(graphs.graphs.items(), key=lambda kv: kv[0][1])
+    # the steady step: the largest batch, and of those the fewest cascade groups (a padded
+    # batch adds a group of dummies)
+    key, step = max(graphs.graphs.items(),
+                    key=lambda kv: (kv[0][1], -(kv[0][5][0] if kv[0][5] else 0)))
     step.graph.replay()
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
