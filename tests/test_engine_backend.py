@@ -124,12 +124,31 @@ def test_decode_and_cascade_match_reference_and_each_other(heads: int, kv_heads:
                           logit_indices=torch.arange(3),
                           cascade_groups=[(0, 2, 37, -1), (2, 3, 20, -1)] if cascade else None)
         _, meta = s.runner.prepare(step)
+        if cascade:
+            assert meta.cascade.doc_groups == 2
         outs[cascade] = s.backend.forward(0, q, k, v, meta)
     for b, row in enumerate(rows):
         keys, values, _ = s.row_kv(0, row, 0, lens[row] + 1)  # includes the token just written
         expected = reference(q[b], keys, values, torch.ones(len(keys), dtype=torch.bool), DIM ** -0.5)
         close(outs[False][b], expected)
         close(outs[True][b], expected)
+
+
+def test_padded_cascade_step_counts_only_groups_with_a_document() -> None:
+    """A decode step padded for a CUDA graph ends in a group of dummies (row 0, no document):
+    the metadata tells the backend's planner how many groups have one."""
+    s = Setup(4, 4, seed=3)
+    step = StepInputs(kind="decode", input_ids=torch.zeros(3, dtype=torch.int64),
+                      layout=StepLayout(torch.tensor([42, 48, 0]), torch.zeros(3, dtype=torch.int32),
+                                        torch.tensor([42, 48, -1])),
+                      qo_indptr=torch.arange(4), req_rows=torch.tensor([1, 2, 0]),
+                      kv_start=torch.tensor([37, 37, 0]), prefix_lens=torch.tensor([42, 48, 0]),
+                      logit_indices=torch.arange(3),
+                      cascade_groups=[(0, 2, 37, -1), (2, 3, 0, 0)])
+    _, meta = s.runner.prepare(step)
+    assert meta.cascade.doc_req_indices.shape[0] == 2
+    assert meta.cascade.doc_groups == 1
+    assert meta.cascade.doc_lens.tolist() == [37, 0]
 
 
 def test_merge_partials_equals_attention_over_the_union() -> None:

@@ -60,6 +60,9 @@ class CascadeMetadata:
     # `contiguous` (host bool: every group's document is one run), else kernels gather.
     doc_starts: torch.Tensor | None = None
     contiguous: bool = False
+    # host int: the groups that have a document (a batch padded for a CUDA graph ends in a
+    # group of dummies whose document is empty); the split planner counts only these. None: G.
+    doc_groups: int | None = None
 
 
 @dataclass

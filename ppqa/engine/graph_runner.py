@@ -68,7 +68,7 @@ class GraphCache:
         casc = meta.cascade
         cascade_key = None if casc is None else (casc.doc_req_indices.shape[0],
                                                  casc.max_group_size, length_bucket(casc.max_doc_len),
-                                                 casc.contiguous)
+                                                 casc.contiguous, casc.doc_groups)
         return (meta.kind, meta.batch_size, meta.num_tokens, meta.max_extend_len,
                 length_bucket(meta.max_prefix_len + meta.max_extend_len), cascade_key,
                 tuple(_fields(meta)))
@@ -97,7 +97,7 @@ class GraphCache:
             cascade = CascadeMetadata(
                 **{name: _clone(getattr(meta.cascade, name)) for name in _CASCADE_FIELDS},
                 max_group_size=meta.cascade.max_group_size, max_doc_len=key[5][2],
-                contiguous=meta.cascade.contiguous)
+                contiguous=meta.cascade.contiguous, doc_groups=meta.cascade.doc_groups)
         return dataclasses.replace(meta, **fields, cascade=cascade,
                                    max_prefix_len=bound - meta.max_extend_len)
 

@@ -126,7 +126,8 @@ class ModelRunner:
                 max_group_size=int(group_rows.diff().max()),
                 max_doc_len=max(g[2] for g in groups),
                 doc_starts=doc_starts.to(torch.int32),
-                contiguous=all(g[3] >= 0 or g[2] == 0 for g in groups))
+                contiguous=all(g[3] >= 0 or g[2] == 0 for g in groups),
+                doc_groups=sum(1 for g in groups if g[2] > 0))
         extend_lens = step.qo_indptr.diff()
         meta = ForwardMetadata(
             kind=step.kind, positions=positions, out_slots=out_slots, q_sid=q_sid,

@@ -91,8 +91,10 @@ class TritonBackend:
         # Leave at least half the scratch's states to the document part.
         cap = self.scratch.max_states(meta.batch_size, self.num_heads, self.head_dim)
         splits = max(1, min(splits, cap // 2))
+        # A padded batch's group of dummies launches CTAs that return at once: not counted.
+        groups = casc.doc_req_indices.shape[0] if casc.doc_groups is None else casc.doc_groups
         doc = prefix_splits(self.device, self.dtype, meta.batch_size, *heads,
-                            casc.doc_req_indices.shape[0], casc.max_group_size, casc.max_doc_len,
+                            max(1, groups), casc.max_group_size, casc.max_doc_len,
                             self.scratch, reserved_states=splits, contiguous=casc.contiguous)
         return StepPlan(splits, doc)
 

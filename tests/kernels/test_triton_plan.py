@@ -1,0 +1,43 @@
+"""The Triton backend's host-side launch plan for a cascade decode step padded for a CUDA graph:
+the dummies' group has an empty document, its CTAs return at once, and the document splits
+are planned for the groups that have a document (an H200 profile, NOTES.md run 7: counting the
+dummies' group halved the splits of a 133-request step padded to 256, 14.4 -> 16.6 ms a step)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from ppqa.engine.attention import CascadeMetadata, ForwardMetadata
+from ppqa.engine.triton_backend import TritonBackend
+
+HEADS, DIM, DOC = 4, 16, 4096
+
+
+def decode_meta(group_sizes: list[int], doc_lens: list[int], doc_groups: int | None):
+    i32 = dict(dtype=torch.int32)
+    batch = sum(group_sizes)
+    indptr = torch.tensor([0] + group_sizes, **i32).cumsum(0).to(torch.int32)
+    cascade = CascadeMetadata(indptr, torch.zeros(len(group_sizes), **i32),
+                              torch.tensor(doc_lens, **i32), max_group_size=max(group_sizes),
+                              max_doc_len=max(doc_lens), doc_starts=torch.ones(len(doc_lens), **i32),
+                              contiguous=True, doc_groups=doc_groups)
+    return ForwardMetadata(
+        kind="decode", positions=torch.zeros(batch, dtype=torch.int64),
+        out_slots=torch.zeros(batch, dtype=torch.int64), q_sid=torch.zeros(batch, **i32),
+        qo_indptr=torch.arange(batch + 1, **i32), req_indices=torch.zeros(batch, **i32),
+        kv_start=torch.full((batch,), DOC, **i32), prefix_lens=torch.full((batch,), DOC + 9, **i32),
+        req_to_token=torch.zeros(1, DOC + 16, **i32), logit_indices=torch.arange(batch),
+        max_extend_len=1, max_prefix_len=DOC + 9, cascade=cascade)
+
+
+def test_padded_cascade_step_plans_document_splits_for_its_real_groups():
+    kv = torch.zeros(DOC + 16, HEADS, DIM)
+    pool = SimpleNamespace(k_buffers=[kv], v_buffers=[kv.clone()],
+                           slot_sid=torch.full((DOC + 16,), -1, dtype=torch.int32))
+    backend = TritonBackend(pool, HEADS, HEADS, DIM, DIM ** -0.5)
+    alone = backend.plan(decode_meta([3], [DOC], None))
+    padded = backend.plan(decode_meta([3, 1], [DOC, 0], doc_groups=1))
+    counted = backend.plan(decode_meta([3, 1], [DOC, 0], doc_groups=None))  # the old count
+    # the interpreter's 4 "SMs" hold 8 CTAs: one group's 4 programs take 2 splits, two groups' 1
+    assert padded.prefix_splits == alone.prefix_splits == 2
+    assert counted.prefix_splits == 1
