@@ -16,6 +16,11 @@ mkdir -p "$src/flashinfer/data"
 ln -sfn "$src/include" "$src/flashinfer/data/include"
 ln -sfn "$src/csrc" "$src/flashinfer/data/csrc"
 ln -sfn "$src/3rdparty/cutlass" "$src/flashinfer/data/cutlass"
+# nvcc 13 gives __global__ template stubs internal linkage, and 0.2.5's decode module then fails
+# to link (run 7, call 4: "relocation ... against undefined hidden symbol BatchDecodeWith
+# PagedKVCacheKernel"); later FlashInfer releases pass this flag (their PR #1523).
+sed -i 's/"-std=c++17",/"-std=c++17", "-static-global-template-stub=false",/' \
+  "$src/flashinfer/jit/core.py"
 export PYTHONPATH=$PWD:$src:${PYTHONPATH:-} TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
   FLASHINFER_WORKSPACE_BASE=/tmp PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 command -v nvcc ninja || echo "nvcc or ninja missing"
