@@ -1,15 +1,13 @@
 """FlashInfer's paged decode kernel as a second `stock` baseline, per layer, beside ours (issue 6).
-Written without a GPU at hand: not yet run; the first run says whether FlashInfer installs,
-compiles and agrees with our kernel.
+Run 7 (NOTES.md): FlashInfer 0.2.5 builds from its source release on the device
+(`benchmarks/flashinfer_device.sh`) and agrees with our kernel to 5e-4.
 
-The device machine reaches no network, so FlashInfer travels as a source release (the 0.7.x
+The device machine reaches no network, so FlashInfer travels as its source release (the 0.7.x
 wheel is 101 MB, over the 64 MiB a call may carry). Here:
-    python3 -m pip download --no-deps flashinfer-python==0.2.5 -d .fi   # 2.5 MB sdist
+    python3 -m pip download --no-deps --no-binary :all: flashinfer-python==0.2.5 -d .fi
     echo /.fi/ >> .git/info/exclude
-On the GPU machine (carry .fi; FlashInfer 0.2.x compiles its kernels with the machine's nvcc
-at first use, which takes minutes):
-    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/fi .fi/*.tar.gz
-    PYTHONPATH=$PWD:/tmp/fi python3 benchmarks/flashinfer_stock.py --out $OUT/flashinfer.json
+On the GPU machine (carry .fi; its kernels compile with the machine's nvcc at first use, about
+a minute a module): `bash benchmarks/flashinfer_device.sh [--cells 16384x256]`.
 
 Cell: benchmarks/kernels.py's Grid (Q requests whose rows are [document][16-token question]
 [129 answer tokens]), our stock step through TritonBackend.forward (which first writes the new
@@ -32,6 +30,10 @@ import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels import DEV, MODELS, Grid, bench  # noqa: E402
+
+
+# Query heads per KV head that FlashInfer 0.2.5's CUDA-core decode compiles (DISPATCH_GQA_GROUP_SIZE).
+CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)
 
 
 def flashinfer_decode(grid: Grid, meta, tensor_cores: bool):
@@ -61,6 +63,13 @@ def cell(model: str, doc_len: int, questions: int) -> list[dict]:
     for tensor_cores in (False, True):
         row = {"model": model, "doc_tokens": doc_len, "questions": questions,
                "kernel": f"flashinfer{' tensor-core' if tensor_cores else ''}"}
+        group = grid.num_heads // grid.num_kv_heads
+        if not tensor_cores and group not in CUDA_CORE_GROUPS:
+            # run 7: plan() ended the process (no Python exception) on Qwen2.5's group of 7
+            row["error"] = f"not supported: its CUDA-core decode dispatches group sizes " \
+                           f"{CUDA_CORE_GROUPS}, this model's is {group}"
+            rows.append(row)
+            continue
         try:
             run = flashinfer_decode(grid, meta, tensor_cores)
             out = run().float()
