@@ -46,9 +46,11 @@ class DeviceRates:
     parallel extend kernel is bound by the masked keys it still computes (~12% of the matmul
     rate) or by bandwidth (~70%); cascade's document part runs its product at ~28% of the rate,
     and takes at least `cascade_layer_floor_s` a layer however small (its launch, the merge of its
-    partial states, the side-stream fork and join): run 5 measured Qwen2.5-1.5B 8k/64 cascade
-    0.97x of the new stock where the model without the floor predicted 1.30x; 40 us a layer
-    makes it predict ~1.0x there and keeps every other run-5 cell on the mode that won.
+    partial states, the side-stream fork and join). Run 5 measured Qwen2.5-1.5B 8k/64 cascade
+    0.97x of stock and the floor was set to 40 us, which sent auto to stock there; run 7 measured
+    the same cell on the current code at 1.34x and 1.37x (three seeds, two calls), and 20 us
+    predicts 1.16x there while the 512-token document with 16 questions (cascade 1.01x, a tie)
+    stays on stock (0.93x predicted); every other measured cell keeps the mode that won.
     """
 
     bandwidth: float  # bytes/s, measured copy bandwidth
@@ -66,7 +68,7 @@ class DeviceRates:
     def for_device(kind: str) -> DeviceRates:
         if kind == "cuda":  # H200 measured here: 4.3 TB/s copy, ~790 TFLOP/s bf16
             return DeviceRates(bandwidth=4.3e12, matmul=7.9e14, stock_mem_eff=2.46,
-                               stock_gqa_mem_eff=3.09, cascade_layer_floor_s=40e-6,
+                               stock_gqa_mem_eff=3.09, cascade_layer_floor_s=20e-6,
                                step_overhead_s=2e-3)
         # The CPU's torch backend: no L2 sharing to speak of, masked keys cost as much as others.
         return DeviceRates(bandwidth=2.0e10, matmul=1.0e11, parallel_mem_eff=1.0,
