@@ -1,10 +1,11 @@
 """The decode step's GEMMs on their own: cuBLAS (torch's F.linear, both BLAS backends) against a
 plain Triton TMA matmul over a few tiles, at the step's token counts.
 
-The issue's step profile (NOTES.md, run 5) put a cascade step's GEMMs at ~7.6 ms of a 14.2 ms
-replay at 16k/256 (256 tokens: ~445 TFLOP/s, against 788 measured on 8192^3 products). This
-script asks how much of that a better kernel choice could win, before anything in the engine
-changes. Each GEMM kind is timed as the step runs it: 32 launches on 32 layers' distinct weights
+Run 5's eager profile (NOTES.md) put a cascade step's GEMMs at ~7.6 ms of a 14.2 ms replay at
+16k/256 (256 tokens: ~445 TFLOP/s, against 788 measured on 8192^3 products); this script asked
+how much of that a better kernel choice could win. Run 7's answer: none (cuBLAS 5.15 ms a step,
+610-690 TFLOP/s on the wide kinds; no Triton tile within 15%), and in the replay the GEMMs take
+5.0 ms, not 7.6. Each GEMM kind is timed as the step runs it: 32 launches on 32 layers' distinct weights
 (so L2 does not keep a weight between launches), captured in one CUDA graph and replayed.
 
     python3 benchmarks/gemm_sweep.py --model dummy:codellama-7b --tokens 256,128 --out gemm.json
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 
 import torch
 import triton
@@ -228,6 +227,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("interpreter:", time.strftime("%H:%M:%S"))
     main()
