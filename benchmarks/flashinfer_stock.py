@@ -9,6 +9,10 @@ wheel is 101 MB, over the 64 MiB a call may carry). Here:
 On the GPU machine (carry .fi; its kernels compile with the machine's nvcc at first use, about
 a minute a module): `bash benchmarks/flashinfer_device.sh [--cells 16384x256]`.
 
+--doc-product (not yet run) times cascade's document part instead: our shared-prefix kernel
+against FlashInfer's single prefill on its FA2 and FA3 (sm_90a) backends, the measurement the
+step-floor target needs (NOTES.md run 7, "What is left").
+
 Cell: benchmarks/kernels.py's Grid (Q requests whose rows are [document][16-token question]
 [129 answer tokens]), our stock step through TritonBackend.forward (which first writes the new
 token's K/V), then FlashInfer's BatchDecodeWithPagedKVCacheWrapper over the same slots with page
@@ -29,7 +33,10 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernels import DEV, MODELS, Grid, bench  # noqa: E402
+from kernels import DEV, MODELS, Grid, bench, bench_replay  # noqa: E402
+
+from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
+from ppqa.kernels.merge import merge_partials  # noqa: E402
 
 
 # Query heads per KV head that FlashInfer 0.2.5's CUDA-core decode compiles (DISPATCH_GQA_GROUP_SIZE).
@@ -81,10 +88,62 @@ def cell(model: str, doc_len: int, questions: int) -> list[dict]:
     return rows
 
 
+def doc_product_cell(model: str, doc_len: int, questions: int) -> list[dict]:
+    """Cascade's document part of a decode step (all Q queries against the document, o and lse)
+    through our shared-prefix kernel (its planned splits and the merge) and through FlashInfer's
+    single prefill (non-causal, lse returned) on its FlashAttention-2 and -3 (sm_90a, wgmma,
+    warp-specialized) backends: what a FlashAttention-3-class kernel would take off the step
+    (NOTES.md run 7: ours is 4.95 ms of a 14.35 ms step, 1.77x its FLOP floor). CUDA graph
+    replays where they capture, else eager."""
+    grid = Grid(MODELS[model], doc_len, questions, torch.Generator().manual_seed(0))
+    backend, meta = grid.stock(cascade=True)
+    plan, casc = backend.plan(meta), meta.cascade
+    part = backend.scratch.views(questions, grid.num_heads, plan.prefix_splits, grid.head_dim)
+    out = torch.empty_like(grid.q)
+
+    def ours():
+        launch_shared_prefix(grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
+                             casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
+                             backend.sm_scale, plan.prefix_splits, *part,
+                             doc_starts=backend._doc_starts(casc))
+        merge_partials(*part, out)
+        return out
+
+    flops = 4 * questions * doc_len * grid.num_heads * grid.head_dim
+    base = {"model": model, "doc_tokens": doc_len, "questions": questions}
+    reference = ours().float()
+    rows = [base | {"kernel": "ours (document part)", "splits": plan.prefix_splits,
+                    "ms": round(bench_replay(ours), 4)}]
+    k, v = grid.k[1:1 + doc_len], grid.v[1:1 + doc_len]  # the document's slots, NHD
+    for name in ("fa2", "fa3"):
+        row = base | {"kernel": f"flashinfer single prefill {name}"}
+        try:
+            import flashinfer
+
+            run = lambda name=name: flashinfer.single_prefill_with_kv_cache(  # noqa: E731
+                grid.q, k, v, causal=False, sm_scale=backend.sm_scale, return_lse=True,
+                backend=name)[0]
+            row["max_abs_diff_vs_ours"] = round(float((run().float() - reference).abs().max()), 5)
+            try:
+                row["ms"] = round(bench_replay(run), 4)
+            except Exception:  # noqa: BLE001: eager when its launch does not capture
+                row["ms"], row["eager"] = round(bench(run), 4), True
+        except Exception:  # noqa: BLE001: a failure to compile or run is the result
+            row["error"] = traceback.format_exc(limit=3)[-600:]
+        rows.append(row)
+    for row in rows:
+        if "ms" in row:
+            row["TFLOPs"] = round(flops / row["ms"] / 1e9, 1)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="flashinfer_stock.json")
     parser.add_argument("--cells", default="16384x256,8192x64", help="LxQ,...")
+    parser.add_argument("--doc-product", action="store_true",
+                        help="time cascade's document part against FlashInfer's FA2/FA3 prefill "
+                        "instead of the stock decode")
     args = parser.parse_args()
     result = {"torch": torch.__version__, "triton": triton.__version__, "rows": []}
     try:
@@ -98,14 +157,16 @@ def main() -> None:
         for spec in args.cells.split(","):
             doc_len, questions = map(int, spec.split("x"))
             for model in MODELS:
-                result["rows"] += cell(model, doc_len, questions)
+                result["rows"] += (doc_product_cell if args.doc_product else cell)(
+                    model, doc_len, questions)
                 with open(args.out, "w") as fh:
                     json.dump(result, fh, indent=1)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
     for row in result["rows"]:
-        print(f"{row['model']:13} {row['doc_tokens']:6} {row['questions']:4} {row['kernel']:24} "
-              f"{row.get('ms', 'error'):>8} {row.get('max_abs_diff_vs_ours', '')}")
+        print(f"{row['model']:13} {row['doc_tokens']:6} {row['questions']:4} {row['kernel']:32} "
+              f"{row.get('ms', 'error'):>8} {row.get('TFLOPs', ''):>7} "
+              f"{row.get('max_abs_diff_vs_ours', '')}")
         if "error" in row:
             print("   ", row["error"].strip().splitlines()[-1])
     for key in ("import_error", "error"):
