@@ -95,12 +95,26 @@ def _kernel_times(engine: Engine, document: str, questions: list[str], mode: str
     with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         engine.answer(document, questions, mode=mode, streams=streams, sampling=sampling)
         sync()
+    return _per_kernel(prof, on_gpu)
+
+
+def _per_kernel(prof, on_gpu: bool, runs: int = 1) -> dict[str, float]:
+    """Microseconds per kernel name over a profile, divided by the runs it covered."""
     per_kernel: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         us = evt.self_device_time_total if on_gpu else evt.self_cpu_time_total
         if us > 0:
-            per_kernel[evt.key] += us
+            per_kernel[evt.key] += us / runs
     return per_kernel
+
+
+def _summary(per_kernel: dict[str, float], top: int) -> dict:
+    """Microseconds per kernel category and the `top` kernels by time."""
+    per_cat: dict[str, float] = defaultdict(float)
+    for name, us in per_kernel.items():
+        per_cat[kernel_category(name)] += us
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return {"categories_us": dict(per_cat), "top_kernels_us": [[n[:120], us] for n, us in ranked]}
 
 
 def profile_kernels(engine: Engine, document: str, questions: list[str], mode: str, streams: int,
@@ -116,13 +130,8 @@ def profile_kernels(engine: Engine, document: str, questions: list[str], mode: s
         runner.graphs = graphs
     prefill_top = sorted(base.items(), key=lambda kv: -kv[1])[:12]
     per_kernel = {n: (us - base.get(n, 0.0)) / steps for n, us in full.items()}
-    per_cat: dict[str, float] = defaultdict(float)
-    for name, us in per_kernel.items():
-        per_cat[kernel_category(name)] += us
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
     return {"steps_profiled": steps, "total_us_per_step": sum(per_kernel.values()),
-            "categories_us": dict(per_cat), "top_kernels_us": [[n[:120], us] for n, us in top],
-            "prefill_us": sum(base.values()),
+            **_summary(per_kernel, 25), "prefill_us": sum(base.values()),
             "prefill_top_kernels_us": [[n[:120], us] for n, us in prefill_top]}
 
 
@@ -164,16 +173,8 @@ def profile_replay(engine: Engine, repeats: int = 5) -> dict:
         for _ in range(repeats):
             step.graph.replay()
         sync()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        if evt.self_device_time_total > 0:
-            per_kernel[evt.key] += evt.self_device_time_total / repeats
-    per_cat: dict[str, float] = defaultdict(float)
-    for name, us in per_kernel.items():
-        per_cat[kernel_category(name)] += us
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30]
-    return {"graph": str(key), "total_us": sum(per_kernel.values()),
-            "categories_us": dict(per_cat), "top_kernels_us": [[n[:120], us] for n, us in top]}
+    per_kernel = _per_kernel(prof, on_gpu=True, runs=repeats)
+    return {"graph": str(key), "total_us": sum(per_kernel.values()), **_summary(per_kernel, 30)}
 
 
 def step_floor(engine: Engine, doc_tokens: int, questions: int, own_tokens: float = 0.0,

@@ -94,7 +94,7 @@ class TritonBackend:
         # A padded batch's group of dummies launches CTAs that return at once: not counted.
         groups = casc.doc_req_indices.shape[0] if casc.doc_groups is None else casc.doc_groups
         doc = prefix_splits(self.device, self.dtype, meta.batch_size, *heads,
-                            max(1, groups), casc.max_group_size, casc.max_doc_len,
+                            groups, casc.max_group_size, casc.max_doc_len,
                             self.scratch, reserved_states=splits, contiguous=casc.contiguous)
         return StepPlan(splits, doc)
 

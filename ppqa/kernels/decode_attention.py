@@ -7,10 +7,10 @@ sm_90 its whole tiles through tensor descriptors: `_tile.tma_tiles`, one 2-D cop
 tile, which made the H200's stock decode 1.08-1.36x faster). Grid: (request, KV head, split).
 A program holds all query heads of one KV head (GQA: the heads form the rows of a tl.dot tile,
 so each KV tile is read once per request; MHA: one row, multiply-and-sum on the CUDA cores) and
-reads one piece of the row. With more than one split each piece writes a partial state and `merge_partials` reduces
-them (flash-decoding). The split count is a host choice from the batch shape, the longest row
-and the SM count, so a CUDA graph captured with an upper bound keeps its grid; each program
-reads its real row length from `seq_lens`.
+reads one piece of the row. With more than one split each piece writes a partial state and
+`merge_partials` reduces them (flash-decoding). The split count is a host choice from the batch
+shape, the longest row and the SM count, so a CUDA graph captured with an upper bound keeps its
+grid; each program reads its real row length from `seq_lens`.
 """
 
 from __future__ import annotations

@@ -231,7 +231,8 @@ def extend_attention(
     grid = (batch, num_kv_heads * m_tiles, num_splits)
     _extend_kernel[grid](
         q, k_new, v_new, o, lse_arg, part_o, part_lse,
-        k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, req_indices, kv_start, prefix_lens, qo_indptr, q_sid, slot_sid,
+        k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, req_indices, kv_start,
+        prefix_lens, qo_indptr, q_sid, slot_sid,
         doc_start if has_doc else kv_start, doc_len if has_doc else kv_start,
         sm_scale * math.log2(math.e), m_tiles, 0, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
