@@ -21,7 +21,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-MODES = ("stock", "cascade", "parallel", "auto")
+MODES = ("stock", "stock-flashinfer", "cascade", "parallel", "auto")
+# Columns that run `stock` on a second engine with another attention backend (the same dummy
+# weights: the same seed), each a baseline beside ours: label -> EngineConfig.attention_backend.
+SECOND_BASELINES = {"stock-flashinfer": "flashinfer"}
+
+
+def engine_mode(label: str) -> str:
+    """The `Engine.run` mode behind a column label."""
+    return "stock" if label in SECOND_BASELINES else label
 
 _SUBJECTS = ("the river", "the council", "the old mill", "the harbour master", "the school",
              "the weavers", "the northern road", "the lighthouse", "the orchard", "the archive",
@@ -94,49 +102,59 @@ class Cell:
         return d
 
 
-def warm_cell(engine, cell: Cell, modes: list[str], log: Callable[[str], None] = print) -> None:
+def warm_cell(engine, cell: Cell, modes: list[str], log: Callable[[str], None] = print,
+              others: dict | None = None) -> None:
     """Run the cell once untimed so that its CUDA graph shapes (batch, P, row-length buckets)
     are captured before timing: in full for every mode but stock, whose graphs depend on the
-    batch and a row length that grows by one token a step, so a few tokens capture them."""
+    batch and a row length that grows by one token a step, so a few tokens capture them.
+    others: column label -> the engine that runs it (SECOND_BASELINES), else `engine`."""
     from ppqa import SamplingParams
 
     document, questions = make_workload(engine.tokenizer, cell.doc_tokens, cell.questions,
                                         cell.seeds[0])
-    for mode in modes:
+    for label in modes:
+        mode = engine_mode(label)
         budget = min(8, cell.max_new_tokens) if mode == "stock" else cell.max_new_tokens
         t0 = time.perf_counter()
-        engine.answer(document, questions, mode=mode, streams=None if mode == "auto" else cell.streams,
-                      sampling=SamplingParams(max_new_tokens=budget, ignore_eos=True))
-        cell.warmup_s[mode] = time.perf_counter() - t0
-        log(f"  warm-up {mode:8s} {cell.warmup_s[mode]:8.3f} s ({budget} tokens)")
+        (others or {}).get(label, engine).answer(
+            document, questions, mode=mode, streams=None if mode == "auto" else cell.streams,
+            sampling=SamplingParams(max_new_tokens=budget, ignore_eos=True))
+        cell.warmup_s[label] = time.perf_counter() - t0
+        log(f"  warm-up {label:8s} {cell.warmup_s[label]:8.3f} s ({budget} tokens)")
 
 
 def time_cell(engine, cell: Cell, modes: list[str], passes: int = 2,
-              log: Callable[[str], None] = print, warm: bool = True) -> Cell:
-    """Time every mode on every seed of one cell; modes run in reverse order on odd passes."""
+              log: Callable[[str], None] = print, warm: bool = True,
+              others: dict | None = None) -> Cell:
+    """Time every mode on every seed of one cell; modes run in reverse order on odd passes.
+    others: column label -> the engine that runs it (SECOND_BASELINES), else `engine`."""
     import torch
 
     from ppqa import QuestionRequest, SamplingParams
 
+    others = others or {}
     if warm:
-        warm_cell(engine, cell, modes, log)
+        warm_cell(engine, cell, modes, log, others)
     sampling = SamplingParams(max_new_tokens=cell.max_new_tokens, ignore_eos=True)
     per_seed: dict[str, dict[int, list[float]]] = {m: {s: [] for s in cell.seeds} for m in modes}
     cuda = engine.device.type == "cuda"
+    engines = [engine] + [e for e in others.values() if e is not engine]
     for p in range(passes):
         order = modes if p % 2 == 0 else list(reversed(modes))
         for seed in cell.seeds:
             document, questions = make_workload(engine.tokenizer, cell.doc_tokens, cell.questions, seed)
             # Cache the document outside the timed region (the paper times cached documents).
-            engine.answer(document, questions[:1], mode="stock",
-                          sampling=SamplingParams(max_new_tokens=1, ignore_eos=True))
-            for mode in order:
+            for eng in engines:
+                eng.answer(document, questions[:1], mode="stock",
+                           sampling=SamplingParams(max_new_tokens=1, ignore_eos=True))
+            for label in order:
+                mode, eng = engine_mode(label), others.get(label, engine)
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 answers: dict[int, object] = {}
-                stats = engine.run(
+                stats = eng.run(
                     [QuestionRequest(key=i, document=document, question=q, sampling=sampling)
                      for i, q in enumerate(questions)],
                     mode=mode, streams=None if mode == "auto" else cell.streams,
@@ -145,15 +163,16 @@ def time_cell(engine, cell: Cell, modes: list[str], passes: int = 2,
                     torch.cuda.synchronize()
                 wall = time.perf_counter() - t0
                 assert len(answers) == cell.questions
-                per_seed[mode][seed].append(wall)
-                cell.runs.append({"mode": mode, "seed": seed, "pass": p, "wall_s": wall,
+                per_seed[label][seed].append(wall)
+                cell.runs.append({"mode": label, "seed": seed, "pass": p, "wall_s": wall,
                                   "resolved": stats.mode, "streams": stats.streams})
                 if mode == "auto":
                     cell.chosen[str(seed)] = f"{stats.mode}/P={stats.streams}"
                 if cuda:
+                    # Both engines' weights and pools count: this is the process's peak.
                     peak = torch.cuda.max_memory_allocated() / 2**30
-                    cell.peak_mem_gib[mode] = max(cell.peak_mem_gib.get(mode, 0.0), peak)
-                log(f"  pass {p} seed {seed} {mode:8s} {wall:8.3f} s")
+                    cell.peak_mem_gib[label] = max(cell.peak_mem_gib.get(label, 0.0), peak)
+                log(f"  pass {p} seed {seed} {label:8s} {wall:8.3f} s")
     for mode in modes:
         cell.wall_s[mode] = [sum(v) / len(v) for v in (per_seed[mode][s] for s in cell.seeds)]
     cell.summarize()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 def dtype_name(dtype: object) -> str | None:
@@ -69,7 +69,9 @@ class EngineConfig:
 
     device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda", "cuda:1", ...
     dtype: str | None = None  # None: bfloat16 on a GPU, float32 on the CPU
-    attention_backend: str = "auto"  # "auto" = triton on CUDA, torch otherwise
+    # "auto" = triton on CUDA, torch otherwise; "flashinfer": triton with FlashInfer's decode
+    # kernel for stock decode steps (a second baseline; needs the flashinfer package)
+    attention_backend: str = "auto"
     kv_token_budget: int = 65536  # KV pool size in tokens on the CPU
     mem_fraction: float = 0.85  # GPU: fraction of the free memory (after weights) for the KV pool
     max_batch_requests: int = 256  # requests decoded together (rows of the req_to_token table)
@@ -82,6 +84,10 @@ class EngineConfig:
     # Keep one decode step in flight: build and launch step t+1 before reading step t's tokens
     # (the host work hides behind the GPU). False reads every step back before the next.
     overlap_steps: bool = True
+    # The tokens that every question of a document opens with (the template's "Question: ",
+    # a shared instruction) join the document's cached prefix: prefilled once, read once per
+    # step by cascade and parallel, instead of once per question. False keeps them per question.
+    share_question_prefix: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))

@@ -59,3 +59,15 @@ def test_bench_refuses_bad_modes():
     result = CliRunner().invoke(app, ["bench", "--modes", "parallel,fast", "--device", "cpu"])
     assert result.exit_code == 2
     assert "--modes" in result.output
+
+
+def test_bench_flashinfer_baseline_needs_a_gpu():
+    from typer.testing import CliRunner
+
+    from ppqa.cli.app import app
+
+    result = CliRunner().invoke(app, ["bench", "--model", "dummy:tiny-hd128", "--device", "cpu",
+                                      "--modes", "stock,stock-flashinfer", "--doc-tokens", "32",
+                                      "--questions", "2", "--max-new-tokens", "2"])
+    assert result.exit_code == 2
+    assert "needs a CUDA device" in result.output

@@ -197,3 +197,24 @@ def test_cascade_question_prefill_equals_plain_extend(heads: int, kv_heads: int)
     keys, values, _ = s.row_kv(0, 2, 0, 37 + 4)
     expected = reference(q[6], keys, values, torch.ones(len(keys), dtype=torch.bool), DIM ** -0.5)
     close(outs[False][6], expected)
+
+
+def test_paged_kv_table_packs_each_rows_prefix() -> None:
+    from ppqa.engine.flashinfer_backend import paged_kv_table
+
+    table = torch.arange(5 * 12, dtype=torch.int32).view(5, 12)
+    rows, lens = torch.tensor([3, 1, 4], dtype=torch.int32), torch.tensor([5, 1, 12])
+    indptr, indices = paged_kv_table(table, rows, lens, 12)
+    assert indptr.tolist() == [0, 5, 6, 18] and indptr.dtype == torch.int32
+    expected = torch.cat([table[3, :5], table[1, :1], table[4, :12]])
+    assert indices[:18].tolist() == expected.tolist() and indices.numel() == 19
+
+
+def test_flashinfer_backend_refuses_what_it_cannot_run() -> None:
+    from ppqa import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Engine("dummy:tiny-hd128", device="cpu",
+               config=EngineConfig(attention_backend="flashinfer"))
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flashattention")

@@ -163,8 +163,53 @@ def test_document_cache_persists_across_runs(tmp_path: Path) -> None:
     eng = tiny_engine("tiny-mha")
     tmpl = plain_template(tmp_path)
     sp = SamplingParams(max_new_tokens=3)
-    requests = [QuestionRequest(i, "a cached document", f"q{i}", sp, tmpl) for i in range(4)]
+    # Questions that open differently: no shared opening joins the document (tested below).
+    requests = [QuestionRequest(i, "a cached document", f"{i}q", sp, tmpl) for i in range(4)]
     first = eng.run(requests, mode="parallel")
     second = eng.run(requests, mode="cascade")
     assert first.prefilled_tokens == 18 + 4 * 2  # BOS + 17 characters, then 4 questions
     assert second.prefilled_tokens == 4 * 2  # the document was cached: questions only
+
+
+OPENING_TEMPLATE = ("{% block prefix %}{{ document }}{% endblock %}"
+                    "{% block question %} Question {{ index % 3 }} of the set: {{ question }}"
+                    "{% endblock %}")
+
+
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
+def test_shared_question_opening_changes_no_answer(preset: str, tmp_path: Path) -> None:
+    """Questions that open alike (" Question "): the common tokens join the document's prefix,
+    prefilled once; every mode still gives stock's tokens without the sharing."""
+    tmpl = tmp_path / "opening.jinja"
+    tmpl.write_text(OPENING_TEMPLATE, encoding="utf-8")
+    rng = random.Random(preset)
+    doc = text(rng, 60)
+    questions = [text(rng, rng.randint(1, 12)) for _ in range(7)]
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    apart = tiny_engine(preset, share_question_prefix=False)
+    reference = apart.answer(doc, questions, mode="stock", sampling=sp, template=str(tmpl))
+    eng = tiny_engine(preset)
+    for mode, streams in [("stock", None), ("parallel", 3), ("cascade", None)]:
+        got = eng.answer(doc, questions, mode=mode, sampling=sp, streams=streams,
+                         template=str(tmpl))
+        assert_same(reference, got, f"{preset} {mode} with a shared opening")
+
+
+def test_shared_opening_is_prefilled_once_and_reuses_the_cached_document(tmp_path: Path) -> None:
+    tmpl = tmp_path / "opening.jinja"
+    tmpl.write_text(OPENING_TEMPLATE, encoding="utf-8")
+    doc, questions = "a cached document of some length", ["one", "two", "three", "four"]
+    sp = SamplingParams(max_new_tokens=2)
+    opening = len(" Question ")  # then the question's index differs
+    suffixes = sum(len(f" Question {i % 3} of the set: {q}") for i, q in enumerate(questions))
+    eng = tiny_engine("tiny-mha")
+    first = eng.run([QuestionRequest(0, doc, questions[0], sp, str(tmpl))], mode="stock")
+    assert first.prefilled_tokens == 1 + len(doc) + len(" Question 0 of the set: one")
+    many = [QuestionRequest(i, doc, q, sp, str(tmpl)) for i, q in enumerate(questions)]
+    second = eng.run(many, mode="cascade")
+    # The document's K/V are copied from the first run's entry; only the opening is new.
+    assert second.prefilled_tokens == opening + suffixes - len(questions) * opening
+    third = eng.run(many, mode="parallel")
+    assert third.prefilled_tokens == suffixes - len(questions) * opening
+    apart = tiny_engine("tiny-mha", share_question_prefix=False)
+    assert apart.run(many, mode="cascade").prefilled_tokens == 1 + len(doc) + suffixes

@@ -103,3 +103,54 @@ def test_document_cache_insert_fails_cleanly_when_pool_is_full() -> None:
     docs.acquire(a)
     assert docs.insert(list(range(50, 55))) is None
     assert alloc.num_free == 2 and len(docs) == 1
+
+
+def filled_pool(num_slots: int = 64) -> KVPool:
+    pool = KVPool(num_slots, 2, 2, 4, dtype=torch.float32, device=torch.device("cpu"))
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)))
+    pool.slot_sid.fill_(5)  # stale stream ids of earlier requests
+    return pool
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_copy_slots_copies_every_layer_and_marks_document_slots(scattered: bool) -> None:
+    pool = filled_pool()
+    src = torch.tensor([3, 9, 4, 20]) if scattered else torch.arange(3, 7)
+    dst = torch.arange(30, 34)
+    before = pool.kv.clone()
+    pool.copy_slots(dst, src)
+    torch.testing.assert_close(pool.kv[:, :, dst], before[:, :, src], rtol=0, atol=0)
+    untouched = torch.ones(pool.num_slots, dtype=torch.bool)
+    untouched[dst] = False
+    torch.testing.assert_close(pool.kv[:, :, untouched], before[:, :, untouched], rtol=0, atol=0)
+    assert pool.slot_sid[dst].tolist() == [-1] * 4 and int(pool.slot_sid[untouched].min()) == 5
+
+
+def test_document_cache_starts_a_longer_document_from_a_cached_one() -> None:
+    pool = filled_pool(101)
+    docs = DocumentCache(pool.allocator, pool.copy_slots)
+    base = docs.insert(list(range(1, 31)))
+    assert base.copied == 0 and not base.ready
+    # An unready base has no K/V yet: nothing to copy from.
+    assert docs.insert(list(range(1, 31)) + [77]).copied == 0
+    base.ready = True
+    longer = docs.insert(list(range(1, 31)) + [88, 89])
+    assert longer.copied == 30 and not longer.ready
+    torch.testing.assert_close(pool.kv[:, :, longer.slots[:30]], pool.kv[:, :, base.slots],
+                               rtol=0, atol=0)
+    # A shorter document inside a cached one is copied whole: nothing left to prefill.
+    shorter = docs.insert(list(range(1, 21)))
+    assert shorter.copied == 20 and shorter.ready
+    # Sharing fewer than MIN_COPY_TOKENS leading tokens: prefilled from the start.
+    assert docs.insert(list(range(1, 5)) + [99] * 20).copied == 0
+
+
+def test_document_cache_prefills_whole_when_only_evicting_the_base_makes_room() -> None:
+    pool = filled_pool(41)
+    docs = DocumentCache(pool.allocator, pool.copy_slots)
+    base = docs.insert(list(range(1, 21)))
+    base.ready = True
+    # 20 slots left: a 30-token document fits only once the (unused) base is evicted.
+    longer = docs.insert(list(range(1, 21)) + list(range(50, 60)))
+    assert longer is not None and longer.copied == 0
+    assert docs.get(list(range(1, 21))) is None and pool.allocator.num_free == 10

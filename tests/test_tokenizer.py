@@ -87,3 +87,26 @@ def test_smollm2_decode_skips_specials_and_eos_is_im_end(smollm2):
     assert ids[0] == 1 and ids[-1] == 2  # special strings in text map to their ids
     assert tok.decode(ids) == "Hello world"
     assert tok.eos_token_ids == [2] and tok.hf.convert_ids_to_tokens(2) == "<|im_end|>"
+
+
+def test_common_opening_joins_the_prefix_and_keeps_each_prompt() -> None:
+    tok = ByteTokenizer(384)
+    questions = ["Summarize paragraph 1.", "Summarize paragraph 12.", "Summarize paragraph 2."]
+    prompt = tok.prompt("qa", DOC, questions)
+    shared = prompt.with_common_opening()
+    opening = "\n\nQuestion: Summarize paragraph "
+    assert tok.decode(shared.prefix_ids) == tok.decode(prompt.prefix_ids) + opening
+    assert [tok.decode(s) for s in shared.suffix_ids] == ["1.\nAnswer:", "12.\nAnswer:",
+                                                          "2.\nAnswer:"]
+    for i in range(len(questions)):
+        assert shared.ids(i) == prompt.ids(i)  # every question's tokens are unchanged
+
+
+def test_common_opening_leaves_every_suffix_a_token_and_one_question_alone() -> None:
+    same = Prompt([1, 2], [[5, 6, 7], [5, 6, 7], [5, 6, 7, 8]])
+    shared = same.with_common_opening()  # identical suffixes keep their last token
+    assert shared.prefix_ids == [1, 2, 5, 6] and shared.suffix_ids == [[7], [7], [7, 8]]
+    alone = Prompt([1], [[5, 6, 7]])
+    assert alone.with_common_opening() is alone
+    apart = Prompt([1], [[5, 6], [6, 5]])
+    assert apart.with_common_opening() is apart

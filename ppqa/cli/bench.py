@@ -43,7 +43,10 @@ def bench(
     = "64,128,256",
     max_new_tokens: Annotated[str, typer.Option(help="Answer budgets, comma-separated.")] = "128",
     seeds: Annotated[str, typer.Option(help="Workload seeds, comma-separated.")] = "0,1",
-    modes: Annotated[str, typer.Option(help="Modes to time; stock is the baseline.")]
+    modes: Annotated[str, typer.Option(
+        help="Modes to time; stock is the baseline. stock-flashinfer: stock on FlashInfer's "
+             "decode kernel (a second engine of the same weights; needs CUDA and the flashinfer "
+             "package).")]
     = "stock,cascade,parallel,auto",
     streams: Annotated[int, typer.Option(help="P for parallel mode.")] = 32,
     passes: Annotated[int, typer.Option(help="Passes, alternating the order of modes.")] = 2,
@@ -93,8 +96,15 @@ def bench(
     config_kwargs = {"device": dev, "cuda_graphs": cuda_graphs and dev.startswith("cuda")}
     if kv_tokens is not None:
         config_kwargs["kv_token_budget"] = kv_tokens
+    seconds = [m for m in mode_list if m in b.SECOND_BASELINES]
+    if seconds:  # each engine's KV pool takes a share of the memory left after its weights
+        config_kwargs["mem_fraction"] = 0.8 / (1 + len(seconds))
     try:
         engine = Engine(model, device=dev, config=EngineConfig(**config_kwargs))
+        others = {label: Engine(model, device=dev, config=EngineConfig(
+            **{**config_kwargs, "cuda_graphs": False, "mem_fraction": 0.8 / (len(seconds) - i),
+               "attention_backend": b.SECOND_BASELINES[label]}))
+            for i, label in enumerate(seconds)}
     except ValueError as exc:
         fail(str(exc))
     gpu = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
@@ -103,16 +113,17 @@ def bench(
 
     # Warm-up: every mode once on a small workload (kernel compilation, graph capture).
     doc, qs = b.make_workload(engine.tokenizer, min(d for d, _, _ in grid), 4, seed=12345)
-    for mode in mode_list:
-        engine.answer(doc, qs, mode=mode, streams=streams,
-                      sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for label in mode_list:
+        others.get(label, engine).answer(doc, qs, mode=b.engine_mode(label), streams=streams,
+                                         sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
 
     cells: list[b.Cell] = []
     for d, q, t in grid:
         say(f"cell: doc {d} tokens, {q} questions, {t} answer tokens")
         cell = b.Cell(model=model, doc_tokens=d, questions=q, max_new_tokens=t, seeds=seed_list,
                       streams=streams)
-        b.time_cell(engine, cell, mode_list, passes=passes, log=say, warm=warm_cells)
+        b.time_cell(engine, cell, mode_list, passes=passes, log=say, warm=warm_cells,
+                    others=others)
         cells.append(cell)
         b.write_results(out, gpu, command, cells)
     table_cells = [c.to_json() for c in cells]

@@ -85,6 +85,9 @@ class ForwardMetadata:
     # read that part with affine addresses; without them (None) they gather everything.
     doc_start: torch.Tensor | None = None
     doc_len: torch.Tensor | None = None
+    # [B] int64 on the host: prefix_lens as the scheduler built them, for a backend that plans
+    # on the host (FlashInfer); kernels read the device tensors.
+    host_prefix_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

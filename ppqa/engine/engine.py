@@ -189,6 +189,8 @@ class Engine:
                 for req in reqs:
                     reject(req, error)
                 continue
+            if self.config.share_question_prefix:
+                prompt = prompt.with_common_opening()
             doc_ids, streams = list(prompt.prefix_ids), []
             for req, suffix in zip(reqs, prompt.suffix_ids):
                 error = self._fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
@@ -271,7 +273,7 @@ class Engine:
                         runner.run(inputs)
                         stats.steps += 1
                     doc.ready = True
-                    stats.prefilled_tokens += doc.length
+                    stats.prefilled_tokens += doc.length - doc.copied
                 if admitted:
                     step = sched.prefill_step(admitted, cascade=cascade)
                     stats.prefilled_tokens += step.inputs.num_tokens

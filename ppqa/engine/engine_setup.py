@@ -4,7 +4,7 @@
 `load(device, dtype, seed)` for a `LoadedModel`, builds the model from its weight stream, then sizes
 the KV pool from the remaining memory (GPU: `mem_fraction` of what is free after the weights; CPU:
 `kv_token_budget` tokens), and creates the req_to_token table, the document cache, the attention
-backend (torch, or Triton imported lazily) and the runner. `Engine` keeps the result.
+backend (torch, or Triton or FlashInfer imported lazily) and the runner. `Engine` keeps the result.
 """
 
 from __future__ import annotations
@@ -62,6 +62,20 @@ def _pool_slots(config: EngineConfig, device: torch.device, bytes_per_slot: int)
     return max(2, int(free * config.mem_fraction) // bytes_per_slot)
 
 
+def _check_flashinfer(device: torch.device, config: EngineConfig) -> None:
+    """Before any weights load: the FlashInfer backend's needs, each with its reason."""
+    if device.type != "cuda":
+        raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
+    if config.cuda_graphs:
+        raise ValueError("attention_backend 'flashinfer' runs without CUDA graphs (FlashInfer "
+                         "plans each step on the host): set cuda_graphs=False or leave it None")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        raise ValueError("attention_backend 'flashinfer' needs the flashinfer package (its "
+                         "0.2.x source release; see benchmarks/flashinfer_device.sh)") from e
+
+
 def _make_backend(name: str, device: torch.device, pool: KVPool, model: LlamaModel):
     cfg = model.config
     args = (pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
@@ -80,6 +94,10 @@ def _make_backend(name: str, device: torch.device, pool: KVPool, model: LlamaMod
         from ppqa.engine.triton_backend import TritonBackend
 
         return name, TritonBackend(*args)
+    if name == "flashinfer":
+        from ppqa.engine.flashinfer_backend import FlashInferBackend
+
+        return name, FlashInferBackend(*args)
     from ppqa.engine.torch_backend import TorchBackend
 
     return name, TorchBackend(*args)
@@ -94,6 +112,8 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
     dev = resolve_device(config.device)
     dtype_name = config.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     torch_dtype = _DTYPES[dtype_name]
+    if config.attention_backend == "flashinfer":
+        _check_flashinfer(dev, config)
 
     loaded = load(dev, torch_dtype, config.seed)
     model = build_model(loaded.config, loaded.weights, device=dev, dtype=torch_dtype)
@@ -113,6 +133,6 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
     return EngineParts(model_name=model_name, config=config, device=dev, dtype=torch_dtype,
                        model=model, tokenizer=loaded.tokenizer,
                        source=getattr(loaded, "source", model_name), pool=pool, table=table,
-                       docs=DocumentCache(pool.allocator), backend=backend,
+                       docs=DocumentCache(pool.allocator, pool.copy_slots), backend=backend,
                        runner=ModelRunner(model, pool, table, backend, dev,
                                           cuda_graphs=graphs and dev.type == "cuda"))

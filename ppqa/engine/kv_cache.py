@@ -11,15 +11,19 @@
   scratch, through which document prefill writes.
 - `DocumentCache`: a document's tokens are prefilled once; its slots are reference counted by the
   requests that use it and the least recently used unused documents are evicted when a new
-  allocation does not fit. It outlives `Engine.run` calls.
+  allocation does not fit. It outlives `Engine.run` calls. A new document that starts with the
+  tokens of a cached one (the same document with a longer shared prefix, as when the questions'
+  common opening joins it) copies that part's K/V (`KVPool.copy_slots`) and prefills the rest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -98,6 +102,23 @@ class KVPool:
         self.slot_sid = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
         self.allocator = SlotAllocator(num_slots)
 
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """K/V of every layer from slots `src` to slots `dst` (disjoint, CPU int64), which become
+        document slots (stream -1). Contiguous runs copy as slices; otherwise layer by layer, so
+        the gather's temporary holds one layer, not the whole pool's share."""
+        n = dst.numel()
+        if n == 0:
+            return
+        d0, s0 = int(dst[0]), int(src[0])
+        if _is_run(dst) and _is_run(src):
+            self.kv[:, :, d0:d0 + n].copy_(self.kv[:, :, s0:s0 + n])
+            self.slot_sid[d0:d0 + n] = -1
+            return
+        dst_d, src_d = dst.to(self.device), src.to(self.device)
+        for layer in range(self.kv.shape[1]):
+            self.kv[:, layer, dst_d] = self.kv[:, layer, src_d]
+        self.slot_sid[dst_d] = -1
+
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -139,6 +160,18 @@ class ReqToTokenTable:
         self.table[row, start:end] = slots.to(self.table.device, dtype=torch.int32)
 
 
+def _is_run(slots: torch.Tensor) -> bool:
+    n = slots.numel()
+    return n == 0 or int(slots[-1]) - int(slots[0]) == n - 1 and bool((slots.diff() == 1).all())
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Leading elements two int arrays share."""
+    n = min(a.shape[0], b.shape[0])
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
 def document_key(token_ids: list[int]) -> bytes:
     return hashlib.blake2b(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes(),
                            digest_size=16).digest()
@@ -153,14 +186,19 @@ class CachedDocument:
     last_used: int = 0
     ready: bool = False  # prefilled; until then the requests holding it wait for the prefill
     uid: int = field(default=0)
+    # Leading tokens whose K/V were copied from another cached document at insertion: the
+    # prefill starts here.
+    copied: int = 0
     # First slot when the slots are one contiguous run (the usual case: first-fit allocation),
     # else -1. Kernels read a contiguous document with affine addresses instead of gathers.
     start: int = field(init=False, default=-1)
+    ids: np.ndarray = field(init=False, repr=False)  # token_ids as an array, for prefix matching
 
     def __post_init__(self) -> None:
         n = self.slots.numel()
-        if n and torch.equal(self.slots.cpu(), torch.arange(int(self.slots[0]), int(self.slots[0]) + n)):
+        if n and _is_run(self.slots.cpu()):
             self.start = int(self.slots[0])
+        self.ids = np.asarray(self.token_ids, dtype=np.int64)
 
     @property
     def length(self) -> int:
@@ -168,10 +206,19 @@ class CachedDocument:
 
 
 class DocumentCache:
-    """Prefilled documents by token content, with reference counts and LRU eviction."""
+    """Prefilled documents by token content, with reference counts and LRU eviction.
 
-    def __init__(self, allocator: SlotAllocator) -> None:
+    copy_kv(dst, src): copies K/V between slots (`KVPool.copy_slots`); with it, `insert` starts
+    a new document from the cached one that shares the most leading tokens with it."""
+
+    # A shared run shorter than this is prefilled rather than copied (a copy costs a launch
+    # per layer when the slots are scattered; a handful of tokens is cheaper to recompute).
+    MIN_COPY_TOKENS = 16
+
+    def __init__(self, allocator: SlotAllocator,
+                 copy_kv: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.allocator = allocator
+        self.copy_kv = copy_kv
         self._docs: dict[bytes, CachedDocument] = {}
         self._clock = itertools.count(1)
 
@@ -193,15 +240,45 @@ class DocumentCache:
         doc.last_used = next(self._clock)
 
     def insert(self, token_ids: list[int], key: bytes | None = None) -> CachedDocument | None:
-        """Allocate slots for a new (not yet prefilled) document; None if even eviction can't."""
+        """Allocate slots for a new (not yet prefilled) document; None if even eviction can't.
+        Its leading tokens shared with a prefilled document are copied from that one
+        (`CachedDocument.copied`), which is kept from eviction until its K/V are copied."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        base, shared = self._best_base(ids)
+        if base is not None:
+            self.acquire(base)
         slots = self.alloc(len(token_ids))
+        if base is not None:
+            self.release(base)
+            if slots is None:  # room only if the base goes too: prefill everything instead
+                base, shared = None, 0
+                slots = self.alloc(len(token_ids))
         if slots is None:
             return None
         uid = next(self._clock)
         doc = CachedDocument(key or document_key(token_ids), list(token_ids), slots, last_used=uid,
                              uid=uid)
+        if base is not None:
+            self.copy_kv(slots[:shared], base.slots[:shared])
+            doc.copied = shared
+            doc.ready = shared == doc.length
         self._docs[doc.key] = doc
         return doc
+
+    def _best_base(self, ids: np.ndarray) -> tuple[CachedDocument | None, int]:
+        """The prefilled document sharing the most leading tokens with `ids` (at least
+        MIN_COPY_TOKENS), and how many; (None, 0) without one or without copy_kv."""
+        best, best_len = None, 0
+        if self.copy_kv is None or ids.size == 0:
+            return best, best_len
+        for doc in self._docs.values():
+            if doc.ready and doc.length > best_len and int(doc.ids[0]) == int(ids[0]):
+                shared = common_prefix_len(doc.ids, ids)
+                if shared > best_len:
+                    best, best_len = doc, shared
+        if best_len < self.MIN_COPY_TOKENS:
+            return None, 0
+        return best, best_len
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n slots from the pool, evicting unused documents (least recently used first) if needed."""

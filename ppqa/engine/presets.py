@@ -64,6 +64,9 @@ PRESETS: dict[str, Preset] = {p.config.name.removeprefix("dummy:"): p for p in [
     _preset("tiny-odd", init_std=0.15, vocab_size=301, hidden_size=72, intermediate_size=136,
             num_layers=2, num_heads=3, num_kv_heads=1, head_dim=24, tie_word_embeddings=True,
             rms_norm_eps=1e-6, max_position_embeddings=4096),
+    # head_dim 128, the size FlashInfer's kernels compile for (tests/gpu/test_flashinfer_backend.py)
+    _preset("tiny-hd128", init_std=0.15, vocab_size=384, hidden_size=256, intermediate_size=320,
+            num_layers=2, num_heads=2, num_kv_heads=2, head_dim=128, max_position_embeddings=4096),
 ]}
 
 

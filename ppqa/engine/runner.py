@@ -136,7 +136,8 @@ class ModelRunner:
             req_to_token=table, logit_indices=logit_indices,
             max_extend_len=int(extend_lens.max()) if batch else 0,
             max_prefix_len=int(step.prefix_lens.max()) if batch else 0,
-            cascade=cascade_meta, doc_start=doc_start, doc_len=doc_len)
+            cascade=cascade_meta, doc_start=doc_start, doc_len=doc_len,
+            host_prefix_lens=step.prefix_lens)
         init = getattr(self.backend, "init_forward_metadata", None)
         if init is not None:
             init(meta)

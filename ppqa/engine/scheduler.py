@@ -171,11 +171,12 @@ class Scheduler:
         return list(seen.values())
 
     def document_steps(self, doc: CachedDocument) -> Iterator[StepInputs]:
-        """Chunked prefill of a document through the scratch row (no logits)."""
+        """Chunked prefill of a document through the scratch row (no logits), from its first
+        token not copied from another cached document."""
         row = self.table.scratch_row
         self.table.write(row, 0, doc.slots)
         ids = torch.tensor(doc.token_ids, dtype=torch.int64)
-        for start in range(0, doc.length, self.max_prefill_tokens):
+        for start in range(doc.copied, doc.length, self.max_prefill_tokens):
             end = min(doc.length, start + self.max_prefill_tokens)
             yield StepInputs(kind="extend", input_ids=ids[start:end],
                              layout=document_layout(start, end),

@@ -44,6 +44,23 @@ class Prompt:
         """The full token ids of question i (prefix + suffix)."""
         return self.prefix_ids + self.suffix_ids[i]
 
+    def with_common_opening(self) -> Prompt:
+        """The same prompts with the tokens every suffix starts with moved into the prefix
+        (each suffix keeps at least its last token, whose logits start the answer). Templates
+        open each question alike ("Question: ..."; a fixed instruction); shared, those tokens
+        are prefilled and cached once with the document instead of once per question, and no
+        decode step reads them per question. One question: unchanged (its whole suffix would
+        otherwise become a one-off document)."""
+        if len(self.suffix_ids) < 2:
+            return self
+        first, shortest = self.suffix_ids[0], min(len(s) for s in self.suffix_ids)
+        n = 0
+        while n < shortest - 1 and all(s[n] == first[n] for s in self.suffix_ids):
+            n += 1
+        if n == 0:
+            return self
+        return Prompt(self.prefix_ids + first[:n], [s[n:] for s in self.suffix_ids])
+
 
 class Tokenizer:
     """Base class: encode/decode plus prompt building from a template."""
