@@ -7,9 +7,11 @@
 set -u
 OUT=${OUT:-/tmp/ppqa-device-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_INTERPRET=0
+# A PYTHONPATH set before (benchmarks/flashinfer_setup.sh's, for --modes stock-flashinfer)
+# stays after ours.
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit 1
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} || exit 1
 graphs=--cuda-graphs
 if [ "${SKIP_GRAPH_TEST:-0}" != 1 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_graphs.py \

@@ -30,7 +30,13 @@ CONTIG_SWEEP = {
     # run 5: TMA took the default (128, 64, 8, 3) from 0.168 to 0.152 ms (CodeLlama) and
     # (64, 64, 4, 3) to 0.145 at 2 splits; here both, at the planned and 2 splits
     "prefix": [(128, 64, 8, 3), (128, 64, 8, 3, PTR), (64, 64, 4, 3), (64, 64, 4, 4),
-               (64, 32, 4, 3)],
+               (64, 32, 4, 3),
+               # run 8: the folded softmax step (_tile.softmax_fold), its lazy rescale, longer
+               # key tiles, and Triton's warp specialization of the TMA loop
+               (128, 64, 8, 3, {"softmax": "fold"}), (128, 64, 8, 3, {"softmax": "lazy"}),
+               (128, 64, 8, 3, {"softmax": "lazy", "tma": False}),
+               (64, 64, 4, 3, {"softmax": "lazy"}), (128, 128, 8, 2, {"softmax": "lazy"}),
+               (128, 64, 8, 3, {"softmax": "lazy", "warp_specialize": True})],
     "extend": [(64, 64, 4, 3), (64, 64, 4, 3, PTR), (64, 32, 4, 3), (64, 32, 4, 3, PTR),
                (32, 64, 4, 3), (64, 64, 4, 4)],
     # the stock decode (one query per question): run 4 found one warp x 32 keys x 3 stages best
@@ -176,20 +182,26 @@ def print_contig(rows: list[dict]) -> None:
 # the document part beside or before the suffix, the merge) over variants of the document
 # part's tile, its TMA switch, its split count and the side stream's priority; and each part
 # alone. (label, tiles or None = _arch's, tma beside the suffix (None = _arch's), overlap,
-# document splits (None = planned), side stream priority)
+# document splits (None = planned), side stream priority, softmax step (None = _arch's))
 CASCADE_VARIANTS = [
-    ("now", None, None, True, None, -1),
-    ("serial", None, None, False, None, -1),
-    ("128x64x8x3 tma", (128, 64, 8, 3), True, True, None, -1),
-    ("64x64x4x3 ptr", (64, 64, 4, 3), False, True, None, -1),
-    ("64x64x4x3 tma", (64, 64, 4, 3), True, True, None, -1),
-    ("64x64x4x3 serial", (64, 64, 4, 3), None, False, None, -1),
-    ("now, side prio 0", None, None, True, None, 0),
-    ("now, doc splits 1", None, None, True, 1, -1),
-    ("now, doc splits 2", None, None, True, 2, -1),
-    ("64x64x4x3 tma, splits 1", (64, 64, 4, 3), True, True, 1, -1),
-    ("64x64x4x3 tma, splits 2", (64, 64, 4, 3), True, True, 2, -1),
+    ("now", None, None, True, None, -1, None),
+    ("serial", None, None, False, None, -1, None),
+    ("128x64x8x3 tma", (128, 64, 8, 3), True, True, None, -1, None),
+    ("64x64x4x3 ptr", (64, 64, 4, 3), False, True, None, -1, None),
+    ("64x64x4x3 tma", (64, 64, 4, 3), True, True, None, -1, None),
+    ("64x64x4x3 serial", (64, 64, 4, 3), None, False, None, -1, None),
+    # run 8: the folded softmax step and its lazy rescale (_tile.softmax_fold)
+    ("now fold", None, None, True, None, -1, "fold"),
+    ("now lazy", None, None, True, None, -1, "lazy"),
+    ("serial lazy", None, None, False, None, -1, "lazy"),
+    ("128x64x8x3 tma lazy", (128, 64, 8, 3), True, True, None, -1, "lazy"),
+    ("64x64x4x3 tma lazy", (64, 64, 4, 3), True, True, None, -1, "lazy"),
+    ("64x64x4x3 serial lazy", (64, 64, 4, 3), None, False, None, -1, "lazy"),
+    ("128x128x8x2 serial lazy", (128, 128, 8, 2), None, False, None, -1, "lazy"),
+    ("now, doc splits 2", None, None, True, 2, -1, None),
+    ("64x64x4x3 tma lazy, splits 2", (64, 64, 4, 3), True, True, 2, -1, "lazy"),
 ]
+ALONE = ("now", "64x64x4x3 tma", "now lazy", "64x64x4x3 tma lazy", "128x128x8x2 serial lazy")
 
 
 def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
@@ -205,21 +217,24 @@ def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> l
     variants = CASCADE_VARIANTS[:2] if smoke else CASCADE_VARIANTS
 
     @contextlib.contextmanager
-    def patched(tiles, tma):
-        saved = _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma
+    def patched(tiles, tma, softmax):
+        saved = _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma, _arch.prefix_softmax
         if tiles is not None:
             _arch.contig_prefix_tiles = lambda *a, **k: Tiles(*tiles)
         if tma is not None:
             _arch.overlapped_prefix_tma = lambda group: tma
+        if softmax is not None:
+            _arch.prefix_softmax = lambda device: softmax
         try:
             yield
         finally:
-            _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma = saved
+            _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma, _arch.prefix_softmax = saved
 
-    for label, tiles, tma, overlap, doc_splits, priority in variants:
+    for label, tiles, tma, overlap, doc_splits, priority, softmax in variants:
         row = {"mode": "cascade_step", "variant": label, "tiles": tiles, "tma": tma,
-               "overlap": overlap, "doc_splits": doc_splits, "priority": priority}
-        with patched(tiles, tma):
+               "overlap": overlap, "doc_splits": doc_splits, "priority": priority,
+               "softmax": softmax}
+        with patched(tiles, tma, softmax):
             backend, meta = grid.stock(cascade=True)
             backend.overlap = overlap
             if backend._side is not None and priority != -1:
@@ -237,7 +252,7 @@ def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> l
                 row["max_abs_diff"] = round(float((out - reference).abs().max()), 5)
             except Exception as e:  # a variant that does not compile or fit is a result too
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            if label in ("now", "64x64x4x3 tma"):  # its parts alone, as planned
+            if label in ALONE:  # its parts alone, as planned
                 casc = meta.cascade
                 states = plan.splits + plan.prefix_splits
                 part = backend.scratch.views(grid.questions, grid.num_heads, states,

@@ -181,9 +181,14 @@ def step_floor(engine: Engine, doc_tokens: int, questions: int, own_tokens: floa
                copy_tbps: float = 4.16, tflops: float = 792.0) -> dict[str, float]:
     """The decode step's floor for a shared-document mode: the larger of the bytes it must move
     (the weights, the document's KV once, each question's own KV: its `own_tokens` of question
-    and answer so far) over the copy bandwidth and its FLOPs over the matmul rate."""
+    and answer so far) over the copy bandwidth and its FLOPs over the matmul rate. The input
+    embedding is neither read whole nor multiplied (a step looks up one row a token); the LM
+    head is both."""
     cfg = engine.model_config
-    params = sum(p.numel() for p in engine._parts.model.parameters())
+    model = engine._parts.model
+    params = sum(p.numel() for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        params -= cfg.vocab_size * cfg.hidden_size
     dtype_bytes = engine.dtype.itemsize
     token_kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     kv_bytes = doc_tokens * token_kv
@@ -212,11 +217,15 @@ def main() -> None:
     parser.add_argument("--out", default="profile_step.json")
     parser.add_argument("--serial-cascade", action="store_true",
                         help="cascade decode without the side stream (document part, then suffix)")
+    parser.add_argument("--apart", action="store_true",
+                        help="keep the questions' common opening per question "
+                             "(EngineConfig.share_question_prefix=False, runs 1-7's workload)")
     args = parser.parse_args()
     TritonBackend.overlap = not args.serial_cascade
 
     t0 = time.perf_counter()
-    engine = Engine(args.model, config=EngineConfig(cuda_graphs=torch.cuda.is_available()))
+    engine = Engine(args.model, config=EngineConfig(cuda_graphs=torch.cuda.is_available(),
+                                                    share_question_prefix=not args.apart))
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     document, questions = make_workload(engine.tokenizer, args.doc_tokens, args.questions, seed=0)
     sampling = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
@@ -225,6 +234,8 @@ def main() -> None:
     # The floor of the last step of the timed run, whose graph state the replays below reuse:
     # the prompt's real prefix (instruction + document) and each question's tokens + answer.
     prompt = engine.tokenizer.prompt("qa", document, questions)
+    if engine.config.share_question_prefix:  # as the engine splits it (engine._prepare)
+        prompt = prompt.with_common_opening()
     own = sum(map(len, prompt.suffix_ids)) / len(questions) + args.tokens - 1
     results = {"args": vars(args), "modes": {},
                "floor": step_floor(engine, len(prompt.prefix_ids), args.questions, own)}

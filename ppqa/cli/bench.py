@@ -58,6 +58,9 @@ def bench(
              "graph capture of its shapes is not timed.")] = True,
     cuda_graphs: Annotated[bool, typer.Option(
         help="Replay decode steps from CUDA graphs (GPU, Triton backend).")] = True,
+    share_opening: Annotated[bool, typer.Option(
+        help="Cache the questions' common opening with the document (the engine's default); "
+             "--no-share-opening keeps it in every question, as runs before run 8 did.")] = True,
     out: Annotated[Path, typer.Option(help="Results JSON (rewritten after every cell).")]
     = Path("bench.json"),
     plot: Annotated[Path | None, typer.Option(help="Also write a PNG plot of speedups here.",
@@ -93,7 +96,8 @@ def bench(
     from ppqa import Engine, EngineConfig, SamplingParams
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config_kwargs = {"device": dev, "cuda_graphs": cuda_graphs and dev.startswith("cuda")}
+    config_kwargs = {"device": dev, "cuda_graphs": cuda_graphs and dev.startswith("cuda"),
+                     "share_question_prefix": share_opening}
     if kv_tokens is not None:
         config_kwargs["kv_token_budget"] = kv_tokens
     seconds = [m for m in mode_list if m in b.SECOND_BASELINES]

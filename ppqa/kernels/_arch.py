@@ -187,6 +187,12 @@ def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
     return Tiles(min(want_m, 64), 32, 4, 2)
 
 
+def prefix_softmax(device: torch.device) -> str:
+    """The contiguous shared-prefix kernel's softmax step (launch_shared_prefix's `softmax`):
+    "update" until a sweep on the device says otherwise (kernels.py --sweep-cascade)."""
+    return "update"
+
+
 def contig_prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
     """Tiles for the shared-prefix kernel when the document's slots are one run (doc_starts
     given): a FlashAttention-style forward whose K/V addresses are affine in the loop index, so

@@ -16,6 +16,9 @@ import triton.language as tl
 # Globals read inside @triton.jit code must be tl.constexpr instances (an annotation is not enough).
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_BIG = tl.constexpr(-1.0e30)
+# softmax_fold's lazy rescale: a running maximum may lag a row's true one by this much (log2
+# units), so probabilities reach at most 2^8 before acc and l are rescaled.
+RESCALE_SLACK = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -46,6 +49,35 @@ def softmax_update(
         pv = tl.sum(p1[:, None] * v.to(tl.float32), axis=0)[None, :]
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_fold(
+    s_raw, v, m_i, l_i, acc, scale_log2,
+    P_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, LAZY: tl.constexpr,
+):
+    """softmax_update for raw scores s_raw = q.k [M, N] (-inf where hidden), for the
+    compute-bound document product: the scale rides in the exponent's multiply-add instead of a
+    pass of its own, and P.V accumulates inside the dot (no separate add). LAZY: acc and l are
+    rescaled only when some row's maximum grows by more than RESCALE_SLACK, which skips a
+    [M, D] multiply on most tiles of a long row (FlashAttention-4's rescale threshold); the
+    result is the same up to rounding, the stale maximum cancelling in acc / l and in the lse."""
+    m_new = tl.maximum(m_i, tl.max(s_raw, axis=1) * scale_log2)
+    if LAZY:
+        if tl.max(m_new - m_i, axis=0) > RESCALE_SLACK:
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s_raw * scale_log2 - m_i[:, None])
+    l_i += tl.sum(p, axis=1)
+    acc = tl.dot(p.to(P_DT).to(DOT_DT), v, acc, input_precision=PREC)
+    return m_i, l_i, acc
 
 
 @triton.jit

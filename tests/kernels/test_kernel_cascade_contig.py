@@ -18,10 +18,15 @@ CASES = [((37,), 1), ((300,), 5), ((300, 37), 3)] + ([((1000, 300), 64)] if ON_G
 CONTIG_DTYPES = DTYPES if ON_GPU else [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.parametrize("dtype", CONTIG_DTYPES, ids=case_id)
+# (dtype, key scale): keys scaled by 64 give scores whose running maximum jumps by more than the
+# lazy rescale's slack mid-row, so both of its branches run (float32: the exact comparison).
+SCALES = [(dtype, 1.0) for dtype in CONTIG_DTYPES] + [(torch.float32, 64.0)]
+
+
+@pytest.mark.parametrize("dtype,sharp", SCALES, ids=lambda v: case_id(v) if v != 1.0 else "")
 @pytest.mark.parametrize("heads", HEADS, ids=case_id)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"docs{'-'.join(map(str, c[0]))}x{c[1]}")
-def test_contiguous_prefix_matches_reference(case, heads, dtype):
+def test_contiguous_prefix_matches_reference(case, heads, dtype, sharp):
     """Each group's document in one run of slots (the suffixes scattered), every document entry
     of req_to_token pointing at the sink: the kernel must read the runs through doc_starts."""
     docs, per_doc = case
@@ -32,6 +37,7 @@ def test_contiguous_prefix_matches_reference(case, heads, dtype):
                 gen)
     takes = [take for n, lens in zip(docs, suffixes)
              for take in [(n, True)] + [(m + 1, False) for m in lens]]
+    pool.k *= sharp
     starts = plan_takes(pool, takes, gen)
     batch, indptr, doc_rows = decode_step(pool, docs, suffixes, num_heads, head_dim, gen, DEVICE,
                                           cascade=True)
@@ -43,16 +49,19 @@ def test_contiguous_prefix_matches_reference(case, heads, dtype):
                                                  group_indptr, doc_req, doc_lens, scale)
     table = junk_document(batch.req_to_token, range(batch.q.shape[0]),
                           [n for n, lens in zip(docs, suffixes) for _ in lens])
-    runs = [(None, None, None), (3, None, False), (3, None, True)]
+    runs = [(None, None, None, None), (3, None, False, None), (3, None, True, None)]
+    # the folded softmax step, with and without its lazy rescale, on both loops
+    runs += [(2, None, tma, softmax) for tma in (False, True) for softmax in ("fold", "lazy")]
     if dtype == torch.float32:  # short key tiles, more splits than tiles (some empty)
-        runs += [(17, Tiles(16, 16, 4, 1), False), (17, Tiles(16, 16, 4, 1), True)]
-    for splits, tiles, tma in runs:
+        runs += [(17, Tiles(16, 16, 4, 1), False, None), (17, Tiles(16, 16, 4, 1), True, None),
+                 (5, Tiles(16, 16, 4, 1), True, "lazy")]
+    for splits, tiles, tma, softmax in runs:
         o, lse = poisoned(batch.q.shape, dtype), poisoned(batch.q.shape[:2])
         used = shared_prefix_attention(batch.q, o, lse, pool.k, pool.v, table, group_indptr,
                                        doc_req, doc_lens, per_doc, max(docs), scale,
                                        num_splits=splits, doc_starts=doc_starts, tiles=tiles,
-                                       tma=tma)
-        what = f"{case} splits={used} tma={tma} contiguous"
+                                       tma=tma, softmax=softmax)
+        what = f"{case} splits={used} tma={tma} softmax={softmax} contiguous"
         assert_close_to_ref(o, ref_o, dtype, f"{what} o")
         assert_close_to_ref(lse, ref_lse, max(dtype, torch.float32, key=DTYPES.index),
                             f"{what} lse")
