@@ -81,7 +81,10 @@ class Cell:
     streams: int
     wall_s: dict[str, list[float]] = field(default_factory=dict)  # mode -> per-seed mean of passes
     runs: list[dict] = field(default_factory=list)  # every timed run: mode, seed, pass, wall_s
-    peak_mem_gib: dict[str, float] = field(default_factory=dict)
+    peak_mem_gib: dict[str, float] = field(default_factory=dict)  # the process's peak
+    # the peak during a mode's runs above what was allocated when they started (weights and
+    # KV pools are allocated up front): activations, graphs' pool, scratch
+    peak_work_gib: dict[str, float] = field(default_factory=dict)
     chosen: dict[str, str] = field(default_factory=dict)  # what `auto` resolved to
     speedups: dict[str, float] = field(default_factory=dict)
     warmup_s: dict[str, float] = field(default_factory=dict)  # untimed run capturing graphs
@@ -149,9 +152,11 @@ def time_cell(engine, cell: Cell, modes: list[str], passes: int = 2,
                            sampling=SamplingParams(max_new_tokens=1, ignore_eos=True))
             for label in order:
                 mode, eng = engine_mode(label), others.get(label, engine)
+                resident = 0
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
+                    resident = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
                 answers: dict[int, object] = {}
                 stats = eng.run(
@@ -170,8 +175,10 @@ def time_cell(engine, cell: Cell, modes: list[str], passes: int = 2,
                     cell.chosen[str(seed)] = f"{stats.mode}/P={stats.streams}"
                 if cuda:
                     # Both engines' weights and pools count: this is the process's peak.
-                    peak = torch.cuda.max_memory_allocated() / 2**30
-                    cell.peak_mem_gib[label] = max(cell.peak_mem_gib.get(label, 0.0), peak)
+                    peak = torch.cuda.max_memory_allocated()
+                    cell.peak_mem_gib[label] = max(cell.peak_mem_gib.get(label, 0.0), peak / 2**30)
+                    work = (peak - resident) / 2**30
+                    cell.peak_work_gib[label] = max(cell.peak_work_gib.get(label, 0.0), work)
                 log(f"  pass {p} seed {seed} {label:8s} {wall:8.3f} s")
     for mode in modes:
         cell.wall_s[mode] = [sum(v) / len(v) for v in (per_seed[mode][s] for s in cell.seeds)]
