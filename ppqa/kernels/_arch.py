@@ -144,12 +144,12 @@ def use_tma(device: torch.device) -> bool:
 
 def overlapped_prefix_tma(group: int) -> bool | None:
     """The prefix kernel's `tma` when it runs beside the cascade suffix decode (None: use_tma).
-    An MHA document part keeps pointer loads there: its TMA variant takes 151 registers a
-    thread (vs 140), which leaves room for fewer suffix CTAs on its SMs; run 5 (16k/256, a
-    layer): CodeLlama 0.300 ms with TMA vs 0.274 without, although the part alone ran faster
-    (0.143 vs 0.159). GQA's TMA variant takes fewer registers (148 vs 168): Qwen2.5 0.158 with
-    TMA vs 0.172 without."""
-    return False if group == 1 else None
+    Runs 5-7 kept pointer loads there for MHA (with `softmax_update` its TMA variant left room
+    for fewer suffix CTAs: CodeLlama 0.300 ms a layer with TMA vs 0.274 without at 16k/256 and
+    61-token questions). Run 8, with the folded softmax and 11-token questions (kernels.py
+    --sweep-cascade, a layer): TMA beside is faster at both steps measured, CodeLlama 0.187 vs
+    0.198 ms at t = 24 and 0.230 vs 0.243 at t = 101; Qwen2.5 ties (0.150 / 0.154)."""
+    return None
 
 
 def kv_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor, block_n: int,
