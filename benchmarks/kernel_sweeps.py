@@ -31,12 +31,9 @@ CONTIG_SWEEP = {
     # (64, 64, 4, 3) to 0.145 at 2 splits; here both, at the planned and 2 splits
     "prefix": [(128, 64, 8, 3), (128, 64, 8, 3, PTR), (64, 64, 4, 3), (64, 64, 4, 4),
                (64, 32, 4, 3),
-               # run 8: the folded softmax step (_tile.softmax_fold), its lazy rescale, longer
-               # key tiles, and Triton's warp specialization of the TMA loop
-               (128, 64, 8, 3, {"softmax": "fold"}), (128, 64, 8, 3, {"softmax": "lazy"}),
-               (128, 64, 8, 3, {"softmax": "lazy", "tma": False}),
-               (64, 64, 4, 3, {"softmax": "lazy"}), (128, 128, 8, 2, {"softmax": "lazy"}),
-               (128, 64, 8, 3, {"softmax": "lazy", "warp_specialize": True})],
+               # run 8: the softmax step of runs 1-7 (_tile.softmax_update; "fold" is the
+               # default now), and longer key tiles
+               (128, 64, 8, 3, {"softmax": "update"}), (128, 128, 8, 2)],
     "extend": [(64, 64, 4, 3), (64, 64, 4, 3, PTR), (64, 32, 4, 3), (64, 32, 4, 3, PTR),
                (32, 64, 4, 3), (64, 64, 4, 4)],
     # the stock decode (one query per question): run 4 found one warp x 32 keys x 3 stages best
@@ -190,9 +187,8 @@ CASCADE_VARIANTS = [
     ("64x64x4x3 ptr", (64, 64, 4, 3), False, True, None, -1, None),
     ("64x64x4x3 tma", (64, 64, 4, 3), True, True, None, -1, None),
     ("64x64x4x3 serial", (64, 64, 4, 3), None, False, None, -1, None),
-    # run 8: the folded softmax step and its lazy rescale (_tile.softmax_fold); call 1 had
-    # lazy slower everywhere (its other tiles, its serial order: 0.22-0.28 ms CodeLlama)
-    ("now lazy", None, None, True, None, -1, "lazy"),
+    # run 8: the folded softmax step (_tile.softmax_fold) against runs 1-7's. A lazy rescale
+    # swept in calls 1-2 was slower on every tile and order (0.22-0.28 ms CodeLlama) and is gone.
     ("update", None, None, True, None, -1, "update"),
     ("128x64x8x3 tma update", (128, 64, 8, 3), True, True, None, -1, "update"),
     ("128x64x8x3 tma fold", (128, 64, 8, 3), True, True, None, -1, "fold"),
@@ -200,8 +196,8 @@ CASCADE_VARIANTS = [
     ("serial fold", None, None, False, None, -1, "fold"),
     ("128x128x8x2 serial fold", (128, 128, 8, 2), None, False, None, -1, "fold"),
 ]
-ALONE = ("now", "update", "64x64x4x3 tma", "now lazy", "128x64x8x3 tma fold",
-         "64x64x4x3 tma fold", "128x128x8x2 serial fold")
+ALONE = ("now", "update", "64x64x4x3 tma", "128x64x8x3 tma fold", "64x64x4x3 tma fold",
+         "128x128x8x2 serial fold")
 
 
 def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:

@@ -192,8 +192,8 @@ def prefix_softmax(device: torch.device) -> str:
 
     H200, run 8 (kernels.py --sweep-cascade, 16k/256, 11-token questions, t = 24, a layer of
     the overlapped step): "fold" 0.198 ms against "update" 0.213 on CodeLlama (Qwen2.5 0.149,
-    a tie); "lazy" was slower, 0.221 / 0.172 (the document alone 0.180 against 0.155): its
-    branch on a reduced maximum costs more than the rescale it skips."""
+    a tie). A lazy rescale (acc rescaled only when a row maximum grows past a slack) was
+    slower, 0.221 / 0.172 (the document alone 0.180 against 0.155), and is gone."""
     return "fold"
 
 

@@ -16,9 +16,6 @@ import triton.language as tl
 # Globals read inside @triton.jit code must be tl.constexpr instances (an annotation is not enough).
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_BIG = tl.constexpr(-1.0e30)
-# softmax_fold's lazy rescale: a running maximum may lag a row's true one by this much (log2
-# units), so probabilities reach at most 2^8 before acc and l are rescaled.
-RESCALE_SLACK = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -54,30 +51,20 @@ def softmax_update(
 @triton.jit
 def softmax_fold(
     s_raw, v, m_i, l_i, acc, scale_log2,
-    P_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, LAZY: tl.constexpr,
+    P_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """softmax_update for raw scores s_raw = q.k [M, N] (-inf where hidden), for the
     compute-bound document product: the scale rides in the exponent's multiply-add instead of a
-    pass of its own, and P.V accumulates inside the dot (no separate add). LAZY: acc and l are
-    rescaled only when some row's maximum grows by more than RESCALE_SLACK, which skips a
-    [M, D] multiply on most tiles of a long row (FlashAttention-4's rescale threshold); the
-    result is the same up to rounding, the stale maximum cancelling in acc / l and in the lse."""
+    pass of its own, and P.V accumulates inside the dot (no separate add). The same result up to
+    rounding. (Run 8 also measured skipping the rescale of acc while no row maximum grew past a
+    slack, FlashAttention-4's threshold: slower on every tile, its branch between the two dots
+    costing more than the multiply it skipped.)"""
     m_new = tl.maximum(m_i, tl.max(s_raw, axis=1) * scale_log2)
-    if LAZY:
-        if tl.max(m_new - m_i, axis=0) > RESCALE_SLACK:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-    else:
-        alpha = tl.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-        m_i = m_new
-    p = tl.exp2(s_raw * scale_log2 - m_i[:, None])
-    l_i += tl.sum(p, axis=1)
-    acc = tl.dot(p.to(P_DT).to(DOT_DT), v, acc, input_precision=PREC)
-    return m_i, l_i, acc
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s_raw * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(P_DT).to(DOT_DT), v, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -122,11 +109,13 @@ def doc_run(Doc_start, Doc_len, b, hi, IDX64: tl.constexpr):
 @triton.jit
 def tma_tiles(q, K_desc, V_desc, slot0, lo, hi, col, scale_log2, m_i, l_i, acc,
               TMA: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-              DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr):
+              DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr,
+              FOLD: tl.constexpr = False):
     """The whole key tiles of row positions [lo, hi) of a contiguous document (slots slot0 + i)
     through tensor descriptors, one 2-D block each of K and V at (slot, col), every key visible.
     Returns (the first position left for the caller's masked loop, m_i, l_i, acc); without TMA
-    (K_desc/V_desc are then the pools, unused) it reads nothing and leaves the row from lo."""
+    (K_desc/V_desc are then the pools, unused) it reads nothing and leaves the row from lo.
+    FOLD (tl.dot tiles only): each tile's softmax step is `softmax_fold`."""
     tail = lo
     if TMA:
         tail = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
@@ -134,6 +123,10 @@ def tma_tiles(q, K_desc, V_desc, slot0, lo, hi, col, scale_log2, m_i, l_i, acc,
             row = (slot0 + start).to(tl.int32)
             k = K_desc.load([row, col]).to(DOT_DT)
             v = V_desc.load([row, col]).to(DOT_DT)
-            s = tile_scores(q, k, scale_log2, USE_DOT, PREC)
-            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
+            if FOLD:
+                s = tl.dot(q, tl.trans(k), input_precision=PREC)
+                m_i, l_i, acc = softmax_fold(s, v, m_i, l_i, acc, scale_log2, P_DT, DOT_DT, PREC)
+            else:
+                s = tile_scores(q, k, scale_log2, USE_DOT, PREC)
+                m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
     return tail, m_i, l_i, acc

@@ -49,7 +49,7 @@ def _prefix_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CONTIG: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
-    TMA: tl.constexpr, FOLD: tl.constexpr, LAZY: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, FOLD: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -83,22 +83,9 @@ def _prefix_kernel(
         slot0 = tl.load(Doc_starts + g)
         if IDX64:
             slot0 = slot0.to(tl.int64)
-        col = (kvh * HEAD_DIM).to(tl.int32)
-        if FOLD:
-            tail = lo
-            if TMA:
-                tail = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-                for start in tl.range(lo, tail, BLOCK_N, warp_specialize=WS):
-                    row = (slot0 + start).to(tl.int32)
-                    k = K_desc.load([row, col]).to(DOT_DT)
-                    v = V_desc.load([row, col]).to(DOT_DT)
-                    s = tl.dot(q, tl.trans(k), input_precision=PREC)
-                    m_i, l_i, acc = softmax_fold(s, v, m_i, l_i, acc, scale_log2, P_DT, DOT_DT,
-                                                 PREC, LAZY)
-        else:
-            tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, slot0, lo, hi, col, scale_log2,
-                                            m_i, l_i, acc, TMA, BLOCK_N, True, DOT_DT, P_DT,
-                                            PREC)
+        tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, slot0, lo, hi,
+                                        (kvh * HEAD_DIM).to(tl.int32), scale_log2, m_i, l_i,
+                                        acc, TMA, BLOCK_N, True, DOT_DT, P_DT, PREC, FOLD)
         for start in range(tail, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             c_ok = cols < hi
@@ -110,8 +97,7 @@ def _prefix_kernel(
                         mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
             s = tl.where(c_ok[None, :], tl.dot(q, k_t, input_precision=PREC), float("-inf"))
             if FOLD:
-                m_i, l_i, acc = softmax_fold(s, v, m_i, l_i, acc, scale_log2, P_DT, DOT_DT,
-                                             PREC, LAZY)
+                m_i, l_i, acc = softmax_fold(s, v, m_i, l_i, acc, scale_log2, P_DT, DOT_DT, PREC)
             else:
                 m_i, l_i, acc = softmax_update(s * scale_log2, v, m_i, l_i, acc, P_DT, DOT_DT,
                                                True, PREC)
@@ -168,16 +154,15 @@ def launch_shared_prefix(
     max_group_size: int, sm_scale: float, num_splits: int, part_o, part_lse,
     state_offset: int = 0, tiles: _arch.Tiles | None = None,
     doc_starts: torch.Tensor | None = None, tma: bool | None = None,
-    softmax: str | None = None, warp_specialize: bool = False,
+    softmax: str | None = None,
 ) -> None:
     """Partial states of the document part into part_o[:, :, state_offset : +num_splits].
     doc_starts [G] int32: group g's document is the slots doc_starts[g] + i, i < doc_lens[g]
     (read at affine addresses, req_to_token untouched); None: gathered through req_to_token.
     tma (contiguous documents only): whole tiles read through tensor descriptors
     (`_arch.kv_descriptors`); None: `_arch.use_tma`.
-    softmax (contiguous documents only): "update" (`_tile.softmax_update`), "fold" or "lazy"
-    (`_tile.softmax_fold`, without or with its lazy rescale); None: `_arch.prefix_softmax`.
-    warp_specialize: ask Triton to warp-specialize the TMA loop (sm_90 sweeps only)."""
+    softmax (contiguous documents only): "update" (`_tile.softmax_update`) or "fold"
+    (`_tile.softmax_fold`); None: `_arch.prefix_softmax`."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -188,8 +173,8 @@ def launch_shared_prefix(
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n, tma) if contiguous else None
     softmax = (softmax or _arch.prefix_softmax(q.device)) if contiguous else "update"
-    if softmax not in ("update", "fold", "lazy"):
-        raise ValueError(f"softmax must be 'update', 'fold' or 'lazy', got {softmax!r}")
+    if softmax not in ("update", "fold"):
+        raise ValueError(f"softmax must be 'update' or 'fold', got {softmax!r}")
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
         q, part_o, part_lse,
         k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, group_req_indptr,
@@ -201,8 +186,8 @@ def launch_shared_prefix(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, CONTIG=contiguous,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
-        TMA=descs is not None, FOLD=softmax != "update", LAZY=softmax == "lazy",
-        WS=warp_specialize, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TMA=descs is not None, FOLD=softmax == "fold", num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
@@ -211,11 +196,11 @@ def shared_prefix_attention(
     max_group_size: int, max_doc_len: int, sm_scale: float,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
     doc_starts: torch.Tensor | None = None, tiles: _arch.Tiles | None = None,
-    tma: bool | None = None, softmax: str | None = None, warp_specialize: bool = False,
+    tma: bool | None = None, softmax: str | None = None,
 ) -> int:
     """Writes o [B, Hq, D] and lse [B, Hq] (natural log) of each request's query against its
     group's document only. q [B, Hq, D], one decode token per request. Returns the splits.
-    doc_starts, tma, softmax, warp_specialize: as launch_shared_prefix."""
+    doc_starts, tma, softmax: as launch_shared_prefix."""
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return 0
@@ -226,8 +211,7 @@ def shared_prefix_attention(
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_shared_prefix(q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices,
                          doc_lens, max_group_size, sm_scale, num_splits, part_o, part_lse,
-                         tiles=tiles, doc_starts=doc_starts, tma=tma, softmax=softmax,
-                         warp_specialize=warp_specialize)
+                         tiles=tiles, doc_starts=doc_starts, tma=tma, softmax=softmax)
     merge_partials(part_o, part_lse, o, lse)
     return num_splits
 
