@@ -114,7 +114,7 @@ def any_db(db_location: str):
 @pytest.fixture
 def add_job():
     """`add_job(db, document, questions, name=, priority=, **generation_params) -> job id`."""
-    from ppqa.store.inputs import QuestionInput
+    from ppqa.files.inputs import QuestionInput
     from ppqa.store.jobs import IngestRequest, ingest
     from ppqa.store.params import GenerationParams
 

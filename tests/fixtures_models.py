@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppqa.engine import model_cache
+from ppqa.engine.loading import model_cache
 from ppqa.engine.model.config import ModelConfig
 
 

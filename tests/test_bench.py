@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from ppqa import bench as b
+from ppqa.bench import grid as b
 
 
 def test_workload_has_exact_token_count_and_is_seeded():
-    from ppqa.engine.tokenizer import ByteTokenizer
+    from ppqa.engine.loading.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer(vocab_size=384)
     doc, qs = b.make_workload(tok, 1000, 5, seed=3)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ppqa.engine import cost_model as cm
-from ppqa.engine.presets import preset_config as _preset_config
+from ppqa.engine.runtime import cost_model as cm
+from ppqa.engine.loading.presets import preset_config as _preset_config
 
 
 def preset_config(name):

@@ -46,8 +46,8 @@ def test_import_ppqa_is_light_and_engine_avoids_store_packages() -> None:
         "from ppqa import SamplingParams, EngineConfig, QuestionRequest\n"
         "assert 'torch' not in sys.modules, 'import ppqa pulled in torch'\n"
         "assert ppqa.__version__ == '0.1.0'\n"
-        "import ppqa.engine.engine, ppqa.engine.engine_setup, ppqa.engine.scheduler\n"
-        "import ppqa.engine.runner, ppqa.engine.torch_backend, ppqa.engine.sampling\n"
+        "import ppqa.engine.engine, ppqa.engine.setup, ppqa.engine.runtime.scheduler\n"
+        "import ppqa.engine.runtime.runner, ppqa.engine.attention.torch_backend, ppqa.engine.runtime.sampling\n"
         "bad = [m for m in ('sqlalchemy', 'pydantic', 'gguf', 'platformdirs') if m in sys.modules]\n"
         "assert not bad, bad\n"
         "from ppqa import Engine\n"
@@ -115,7 +115,7 @@ def test_answer_argument_errors() -> None:
         eng.answer("doc", [])
     with pytest.raises(TypeError, match="not one string"):
         eng.answer("doc", "a question")
-    with pytest.raises(ValueError, match="unknown mode 'fast'.*stock, parallel, cascade, auto"):
+    with pytest.raises(ValueError, match="unknown mode 'fast'.*auto, stock, parallel, cascade"):
         eng.answer("doc", ["q?"], mode="fast")
     with pytest.raises(ValueError, match="streams must be None, 'auto' or an integer >= 1, got 0"):
         eng.answer("doc", ["q?"], mode="parallel", streams=0)
@@ -187,7 +187,7 @@ def test_should_stop_drops_in_flight_work_and_frees_the_pool(tmp_path: Path) -> 
 
 def test_auto_mode_choice(tmp_path: Path) -> None:
     """One question: stock. Several: whatever the cost model predicts (engine/cost_model.py)."""
-    from ppqa.engine import cost_model
+    from ppqa.engine.runtime import cost_model
 
     eng = tiny_engine()
     sp = SamplingParams(max_new_tokens=2)
@@ -205,7 +205,7 @@ def test_auto_mode_choice(tmp_path: Path) -> None:
 
 
 def test_pack_streams_balances_requests_and_respects_the_pool() -> None:
-    from ppqa.engine.scheduler import pack_streams
+    from ppqa.engine.runtime.scheduler import pack_streams
 
     assert pack_streams([5] * 40, 32, 100, 10_000) == [list(range(20)), list(range(20, 40))]
     assert pack_streams([5] * 3, 32, 100, 10_000) == [[0, 1, 2]]
@@ -219,8 +219,8 @@ def test_pack_streams_balances_requests_and_respects_the_pool() -> None:
 def test_from_loaded_builds_the_same_engine_as_a_spec(tmp_path: Path) -> None:
     import torch
 
-    from ppqa.engine.loader import LoadedModel
-    from ppqa.engine.presets import dummy_weights, preset_config
+    from ppqa.engine.loading.loader import LoadedModel
+    from ppqa.engine.loading.presets import dummy_weights, preset_config
 
     config, std, tokenizer = preset_config("tiny-odd")
     weights = list(dummy_weights(config, std, device=torch.device("cpu"), dtype=torch.float32, seed=0))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppqa.engine.kv_cache import KVPool, ReqToTokenTable
-from ppqa.engine.layout import StepLayout
-from ppqa.engine.runner import ModelRunner, StepInputs
-from ppqa.engine.torch_backend import TorchBackend, merge_partials
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
+from ppqa.engine.runtime.layout import StepLayout
+from ppqa.engine.runtime.runner import ModelRunner, StepInputs
+from ppqa.engine.attention.torch_backend import TorchBackend, merge_two_states
 
 CPU = torch.device("cpu")
 DIM = 8
@@ -151,7 +151,7 @@ def test_padded_cascade_step_counts_only_groups_with_a_document() -> None:
     assert meta.cascade.doc_lens.tolist() == [37, 0]
 
 
-def test_merge_partials_equals_attention_over_the_union() -> None:
+def test_merge_two_states_equals_attention_over_the_union() -> None:
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(5, 30, generator=gen)
     values = torch.randn(30, 4, generator=gen)
@@ -160,11 +160,11 @@ def test_merge_partials_equals_attention_over_the_union() -> None:
         lse = torch.logsumexp(scores[:, lo:hi], -1)
         return torch.softmax(scores[:, lo:hi], -1) @ values[lo:hi], lse
 
-    out, lse = merge_partials(*part(0, 12), *part(12, 30))
+    out, lse = merge_two_states(*part(0, 12), *part(12, 30))
     torch.testing.assert_close(out, torch.softmax(scores, -1) @ values)
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
     empty = torch.full((5,), float("-inf"))  # an empty part (document of 0 tokens) changes nothing
-    out2, _ = merge_partials(torch.zeros(5, 4), empty, *part(0, 30))
+    out2, _ = merge_two_states(torch.zeros(5, 4), empty, *part(0, 30))
     torch.testing.assert_close(out2, torch.softmax(scores, -1) @ values)
 
 
@@ -200,7 +200,7 @@ def test_cascade_question_prefill_equals_plain_extend(heads: int, kv_heads: int)
 
 
 def test_paged_kv_table_packs_each_rows_prefix() -> None:
-    from ppqa.engine.flashinfer_backend import paged_kv_table
+    from ppqa.engine.attention.flashinfer_backend import paged_kv_table
 
     table = torch.arange(5 * 12, dtype=torch.int32).view(5, 12)
     rows, lens = torch.tensor([3, 1, 4], dtype=torch.int32), torch.tensor([5, 1, 12])

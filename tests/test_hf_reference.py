@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppqa.engine.loader import load_model
+from ppqa.engine.loading.loader import load_model
 from tests.fixtures_models import hf_twin
 
 DOCUMENT = (

@@ -15,9 +15,9 @@ import random
 import pytest
 import torch
 
-from ppqa.engine.kv_cache import KVPool, ReqToTokenTable
-from ppqa.engine.layout import decode_layout, document_layout, extend_mask, question_layout
-from ppqa.engine.runner import ModelRunner, StepInputs
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
+from ppqa.engine.runtime.layout import decode_layout, document_layout, extend_mask, question_layout
+from ppqa.engine.runtime.runner import ModelRunner, StepInputs
 
 
 def reference_mask(queries: list[tuple[int, int]], keys: list[tuple[int, int]]) -> torch.Tensor:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppqa.engine.loader import LazyWeights, ModelLoadError, load_model, preset_names
-from ppqa.engine.presets import PRESETS, weight_shapes
-from ppqa.engine.tokenizer import ByteTokenizer
+from ppqa.engine.loading.loader import LazyWeights, ModelLoadError, load_model, preset_names
+from ppqa.engine.loading.presets import PRESETS, weight_shapes
+from ppqa.engine.loading.tokenizer import ByteTokenizer
 from tests.fixtures_models import hf_twin
 
 # Parameter counts of the real models these presets copy (from their model cards / HF configs).
@@ -117,7 +117,7 @@ def test_dummy_models_need_none_of_the_packages_the_gpu_machine_lacks():
 
     code = (
         "import sys\n"
-        "from ppqa.engine.loader import load_model\n"
+        "from ppqa.engine.loading.loader import load_model\n"
         "m = load_model('dummy:tiny-gqa')\n"
         "n = sum(w.numel() for _, w in m.weights)\n"
         "p = m.tokenizer.prompt('qa', 'doc', ['q?'])\n"

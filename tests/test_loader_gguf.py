@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ppqa.engine.loader import ModelLoadError, load_model
+from ppqa.engine.loading.loader import ModelLoadError, load_model
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 96, 4, 2, 2

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ppqa.engine.loader import ModelLoadError, load_model
-from ppqa.engine.presets import weight_shapes
+from ppqa.engine.loading.loader import ModelLoadError, load_model
+from ppqa.engine.loading.presets import weight_shapes
 from tests.fixtures_models import hf_twin
 
 VOCAB_SIZE = 300
@@ -59,7 +59,7 @@ def save_tokenizer(directory: Path, *, chat: bool, bos: bool) -> None:
 def write_hf_dir(directory: Path, config: dict, *, shards: int = 2, seed: int = 0,
                  chat: bool = False, bos: bool = True) -> dict[str, torch.Tensor]:
     """config.json + sharded safetensors + index + tokenizer; returns the weights written."""
-    from ppqa.engine.hf_loader import config_from_hf
+    from ppqa.engine.loading.hf import config_from_hf
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))

@@ -12,12 +12,12 @@ import dataclasses
 import pytest
 import torch
 
-from ppqa.engine.kv_cache import KVPool, ReqToTokenTable
-from ppqa.engine.layout import document_layout
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
+from ppqa.engine.runtime.layout import document_layout
 from ppqa.engine.model.llama import build_model
-from ppqa.engine.presets import dummy_weights, preset_config
-from ppqa.engine.runner import ModelRunner, StepInputs
-from ppqa.engine.torch_backend import TorchBackend
+from ppqa.engine.loading.presets import dummy_weights, preset_config
+from ppqa.engine.runtime.runner import ModelRunner, StepInputs
+from ppqa.engine.attention.torch_backend import TorchBackend
 from tests.fixtures_models import hf_twin
 
 CPU = torch.device("cpu")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ppqa.engine import model_cache
-from ppqa.engine.loader import ModelLoadError, load_model
+from ppqa.engine.loading import model_cache
+from ppqa.engine.loading.loader import ModelLoadError, load_model
 
 
 @pytest.fixture
@@ -28,7 +28,9 @@ def test_home_and_models_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("PPQA_HOME")
     import platformdirs
 
-    assert model_cache.ppqa_home() == Path(platformdirs.user_data_dir("ppqa"))
+    from ppqa.paths import ppqa_home
+
+    assert ppqa_home() == Path(platformdirs.user_data_dir("ppqa"))
 
 
 def test_offline_first_use_says_what_to_do(offline_pip):

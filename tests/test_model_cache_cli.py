@@ -30,7 +30,7 @@ def test_list_json_before_and_after_pull(smollm2_gguf, monkeypatch):
     assert {"dummy:codellama-7b", "dummy:qwen2.5-7b", "dummy:tiny-gqa"} <= set(rows)
 
     # Pulling while the shared test copy is linked in: verified and reported without fetching.
-    from ppqa.engine import model_cache
+    from ppqa.engine.loading import model_cache
 
     target = model_cache.embedded_path("smollm2")
     target.parent.mkdir(parents=True)

@@ -14,8 +14,8 @@ from rich.console import Console
 from ppqa.cli.run_progress import LogProgress, RichProgress, make_progress
 from ppqa.store.params import GenerationParams
 from ppqa.store.queue import ClaimedJob, ClaimedQuestion
-from ppqa.worker import WorkerOptions
-from ppqa.worker_report import JobOutcome, WorkerSummary
+from ppqa.worker.loop import WorkerOptions
+from ppqa.worker.report import JobOutcome, WorkerSummary
 
 
 def _claim(job_id: int, document_id: int, questions: int) -> ClaimedJob:

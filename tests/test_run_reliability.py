@@ -22,7 +22,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 
 from ppqa.store.db import open_db
-from ppqa.store.inputs import QuestionInput
+from ppqa.files.inputs import QuestionInput
 from ppqa.store.jobs import IngestRequest, ingest
 from ppqa.store.models import Answer, Job, Question, Report
 from ppqa.store.params import GenerationParams

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ppqa import SamplingParams
-from ppqa.engine.sampling import SamplingBatch, counter_uniform, sample
+from ppqa.engine.runtime.sampling import SamplingBatch, counter_uniform, sample
 from tests.test_engine_api import plain_template, text, tiny_engine
 
 

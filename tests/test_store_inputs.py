@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from ppqa.store.errors import InputError
-from ppqa.store.inputs import (available_templates, read_batch, read_document, read_questions,
+from ppqa.templates import list_templates
+from ppqa.files.inputs import (read_batch, read_document, read_questions,
                                resolve_template)
 
 
@@ -100,7 +101,7 @@ def test_bad_batch_lines_are_named(tmp_path, line, message):
 
 
 def test_templates(tmp_path):
-    assert "qa" in available_templates()
+    assert "qa" in list_templates()
     assert resolve_template("qa") == "qa"
     custom = write(tmp_path, "mine.jinja", "{{ document }}")
     assert resolve_template(str(custom)) == str(custom.resolve())

@@ -9,8 +9,9 @@ from sqlalchemy import func, select
 
 from ppqa.store import queue
 from ppqa.store.errors import InputError, StoreError
-from ppqa.store.export import export_format, export_rows, write_export
-from ppqa.store.inputs import QuestionInput
+from ppqa.files.export import export_format, write_export
+from ppqa.store.export import export_rows
+from ppqa.files.inputs import QuestionInput
 from ppqa.store.jobs import IngestRequest, cancel_job, ingest, retry_job
 from ppqa.store.models import Document, Job
 from ppqa.store.params import GenerationParams

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ppqa.engine.tokenizer import ByteTokenizer, list_templates, load_template, render_block
+from ppqa.engine.loading.tokenizer import ByteTokenizer
+from ppqa.templates import list_templates, load_template, render_block
 
 DOC = "Alice paid Bob 30 euros on Monday."
 

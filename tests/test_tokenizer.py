@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppqa.engine.tokenizer import ByteTokenizer, Prompt
+from ppqa.engine.loading.tokenizer import ByteTokenizer, Prompt
 
 DOC = "The Eiffel Tower is in Paris. It was finished in 1889 and is 330 metres tall."
 QUESTIONS = ["Where is the tower?", "When was it finished?", "How tall is it, in metres?"]
@@ -56,7 +56,7 @@ def test_unknown_template_names_the_available_ones():
 
 
 def test_smollm2_prompt_wraps_in_chat_template(smollm2):
-    from ppqa.engine.loader import load_model
+    from ppqa.engine.loading.loader import load_model
 
     tok = load_model("smollm2").tokenizer
     prompt = tok.prompt("qa", DOC, QUESTIONS)
@@ -80,7 +80,7 @@ def test_smollm2_prompt_wraps_in_chat_template(smollm2):
 
 
 def test_smollm2_decode_skips_specials_and_eos_is_im_end(smollm2):
-    from ppqa.engine.loader import load_model
+    from ppqa.engine.loading.loader import load_model
 
     tok = load_model("smollm2").tokenizer
     ids = tok.encode("<|im_start|>Hello world<|im_end|>")

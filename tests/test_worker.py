@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from ppqa.config import SamplingParams
 from ppqa.store.jobs import cancel_job
 from ppqa.store.models import Answer, Job, Question, Report
-from ppqa.worker import Worker, WorkerOptions
-from ppqa.worker_report import ProgressSink
+from ppqa.worker.loop import Worker, WorkerOptions
+from ppqa.worker.report import ProgressSink
 
 MODEL = "dummy:tiny-mha"
 DOC = ("The harbor of Velm opened in 1901. It has three piers, a red lighthouse and a ferry "

@@ -71,7 +71,7 @@ def bench(
 ) -> None:
     import json
 
-    from ppqa import bench as b
+    from ppqa.bench import grid as b
 
     if from_json is not None:
         try:
@@ -84,9 +84,9 @@ def bench(
         return
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    unknown = [m for m in mode_list if m not in b.MODES]
+    unknown = [m for m in mode_list if m not in b.BENCH_MODES]
     if unknown or "stock" not in mode_list:
-        fail(f"--modes must include stock and only {', '.join(b.MODES)}; got {modes!r}")
+        fail(f"--modes must include stock and only {', '.join(b.BENCH_MODES)}; got {modes!r}")
     grid = [(d, q, t) for t in _ints(max_new_tokens, "--max-new-tokens")
             for d in _ints(doc_tokens, "--doc-tokens") for q in _ints(questions, "--questions")]
     seed_list = [int(s) for s in seeds.split(",") if s.strip()]

@@ -1,4 +1,4 @@
-"""`ppqa export FILE`: answers to CSV, JSONL or JSON (`ppqa.store.export`), written atomically."""
+"""`ppqa export FILE`: answers to CSV, JSONL or JSON (`ppqa.files.export`), written atomically."""
 
 from typing import Annotated
 
@@ -29,7 +29,8 @@ def export(
         "--all", help="Every job, finished or not (unanswered questions have an empty "
                       "answer).")] = False,
 ) -> None:
-    from ppqa.store.export import check_destination, export_format, export_rows, write_export
+    from ppqa.files.export import check_destination, export_format, write_export
+    from ppqa.store.export import export_rows
 
     if job and all_jobs:
         raise InputError("give --job or --all, not both")

@@ -1,6 +1,6 @@
 """`ppqa ingest`: queue a document and its questions (or a batch of them) as jobs.
 
-Reads and checks every file and option first (`ppqa.store.inputs`, `GenerationParams`), then
+Reads and checks every file and option first (`ppqa.files.inputs`, `GenerationParams`), then
 opens the store and writes all jobs in one transaction (`ppqa.store.jobs.ingest`): bad input
 exits 2 with the store untouched. Job ids go to stdout, one a line (or JSON with --json).
 """
@@ -12,8 +12,9 @@ import typer
 
 from ppqa.cli.common import JsonOption, open_store, print_json, say
 from ppqa.store.errors import InputError
-from ppqa.store.inputs import read_batch, read_document, read_questions, resolve_template
-from ppqa.store.params import MODES, GenerationParams
+from ppqa.files.inputs import read_batch, read_document, read_questions, resolve_template
+from ppqa.modes import MODES
+from ppqa.store.params import GenerationParams
 
 app = typer.Typer()
 

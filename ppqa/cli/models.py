@@ -25,8 +25,8 @@ def pull(
     force: Annotated[bool, typer.Option("--force", help="Fetch again even if cached.")] = False,
 ) -> None:
     """Fetch an embedded model into the model cache (checks its sha256)."""
-    from ppqa.engine import model_cache
-    from ppqa.engine.loader import ModelLoadError
+    from ppqa.engine.loading import model_cache
+    from ppqa.engine.loading.loader import ModelLoadError
 
     if name not in model_cache.EMBEDDED:
         typer.echo(f"error: unknown embedded model {name!r}; embedded models: "
@@ -45,7 +45,7 @@ def list_models(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Show embedded models, dummy presets and the models in the cache."""
-    from ppqa.engine import model_cache
+    from ppqa.engine.loading import model_cache
 
     rows = model_cache.list_models()
     if as_json:

@@ -2,7 +2,7 @@
 
 Order matters: the store is opened, the device checked and the model loaded BEFORE any job is
 claimed, so a wrong --model, a missing --gpu or an unreachable --db exits 2 with one line and
-leaves the queue untouched. Then `ppqa.worker.Worker` runs with a progress renderer from
+leaves the queue untouched. Then `ppqa.worker.loop.Worker` runs with a progress renderer from
 `run_progress.py` on stderr; `--json` prints the summary on stdout at the end.
 
 Signals: the first SIGINT or SIGTERM asks the worker to stop (finished answers are already
@@ -19,10 +19,10 @@ from typing import Annotated
 import typer
 
 from ppqa.cli.common import fail, open_store, print_json, say
+from ppqa.modes import check_mode
 
 app = typer.Typer()
 
-MODES = ("auto", "parallel", "stock", "cascade")
 
 EXAMPLES = """
 Examples:
@@ -84,12 +84,14 @@ def run(
         "--json", help="At the end, print a JSON summary of every job this worker ran on "
                        "stdout (progress stays on stderr).")] = False,
 ) -> None:
-    from ppqa.worker import Worker, WorkerError, WorkerOptions
-    from ppqa.worker_report import waiting_questions
-    from ppqa.worker_setup import SetupError, load_engine, resolve_device
+    from ppqa.worker.loop import Worker, WorkerError, WorkerOptions
+    from ppqa.store.queue import waiting_questions
+    from ppqa.worker.setup import SetupError, load_engine, resolve_device
 
-    if mode not in MODES:
-        fail(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
+    try:
+        check_mode(mode, "--mode")
+    except ValueError as exc:
+        fail(str(exc))
     db = open_store(ctx)  # an unreachable or corrupt store: exit 2 before anything loads
     try:
         device_name = resolve_device(gpu, device)

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from ppqa.worker_report import JobOutcome, ProgressSink, WorkerSummary
+from ppqa.worker.report import JobOutcome, ProgressSink, WorkerSummary
 
 
 class Counters:

@@ -20,18 +20,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ppqa.config import EngineConfig, SamplingParams
-from ppqa.engine import cost_model
-from ppqa.engine.engine_setup import EngineParts, build_parts
-from ppqa.engine.kv_cache import document_key
-from ppqa.engine.outputs import MODES, Answer, PromptTooLongError, QuestionRequest, RunStats
-from ppqa.engine.request import Request, Stream
-from ppqa.engine.sampling import sample
-from ppqa.engine.scheduler import PlannedStep, Scheduler, pack_streams
-
-
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+from ppqa.modes import check_mode
+from ppqa.engine.runtime import cost_model
+from ppqa.engine.setup import EngineParts, build_parts
+from ppqa.engine.runtime.kv_cache import document_key
+from ppqa.engine.outputs import Answer, PromptTooLongError, QuestionRequest, RunStats
+from ppqa.engine.runtime.request import Request, Stream
+from ppqa.engine.runtime.sampling import sample
+from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
 
 
 def choose_plan(mode: str, streams: int | str | None, jobs: Sequence[tuple[list[int], list[Stream]]],
@@ -40,7 +36,6 @@ def choose_plan(mode: str, streams: int | str | None, jobs: Sequence[tuple[list[
     """(mode, P) for a run. "auto" mode and streams="auto" ask the cost model
     (engine/cost_model.py) about the run's largest document group; parallel with streams=None
     uses the default P. P is capped at the largest group's question count."""
-    check_mode(mode)
     if not jobs:
         return ("stock" if mode == "auto" else mode), 1
     doc_ids, group = max(jobs, key=lambda job: len(job[1]))
@@ -72,7 +67,7 @@ class Engine:
 
     def __init__(self, model: str = "smollm2", *, device: str | None = None, dtype: object = None,
                  config: EngineConfig | None = None) -> None:
-        from ppqa.engine.loader import load_model  # the loader pulls tokenizers etc.; import late
+        from ppqa.engine.loading.loader import load_model  # the loader pulls tokenizers etc.; import late
 
         parts = build_parts(config, device, dtype, lambda dev, dt, seed: load_model(
             model, device=dev, dtype=dt, seed=seed), model_name=model)

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 
 from ppqa.config import SamplingParams
 
-MODES = ("stock", "parallel", "cascade", "auto")
-
 
 class PromptTooLongError(ValueError):
     """A question whose document + question + answer budget exceeds the context or the KV pool."""

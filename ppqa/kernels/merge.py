@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from ppqa.kernels import _arch
-from ppqa.kernels._ref import combine_states_ref
 
 
 @triton.jit
@@ -95,12 +94,6 @@ def merge_attention_states(
     part_o = torch.stack([o_a.float(), o_b.float()], dim=2)
     part_lse = torch.stack([lse_a.float(), lse_b.float()], dim=2)
     merge_partials(part_o, part_lse, out, lse_out)
-
-
-def merge_attention_states_ref(
-    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return combine_states_ref([(o_a, lse_a), (o_b, lse_b)])
 
 
 class PartialScratch:

@@ -9,10 +9,10 @@ that `ppqa --help` and the error classes do not pay for importing SQLAlchemy.
 import importlib
 
 _EXPORTS = {
-    "db": ("Database", "open_db", "ppqa_home", "resolve_url"),
+    "db": ("Database", "open_db", "resolve_url"),
     "errors": ("DatabaseUnavailable", "InputError", "StoreError"),
     "jobs": ("IngestRequest", "IngestResult", "cancel_job", "ingest", "retry_job"),
-    "params": ("MODES", "GenerationParams"),
+    "params": ("GenerationParams",),
     "queue": ("ClaimedJob", "ClaimedQuestion", "claim_jobs", "fail_job", "finish_job",
               "heartbeat", "record_answer", "release_jobs", "requeue_expired"),
     "reports": ("JobReport", "list_reports"),

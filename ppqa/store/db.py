@@ -27,20 +27,11 @@ from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
+from ppqa.paths import ppqa_home
 from ppqa.store.errors import DatabaseUnavailable
 
 BUSY_TIMEOUT_MS = 30_000
 DB_FILE_NAME = "ppqa.db"
-
-
-def ppqa_home() -> Path:
-    """ppqa's data folder: `$PPQA_HOME`, else the platform's user data directory."""
-    home = os.environ.get("PPQA_HOME")
-    if home:
-        return Path(home).expanduser()
-    import platformdirs  # imported here: only the default location needs it
-
-    return Path(platformdirs.user_data_dir("ppqa", appauthor=False))
 
 
 def resolve_url(location: str | os.PathLike[str] | None) -> str:

@@ -15,7 +15,7 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from ppqa.store.db import Database
 from ppqa.store.errors import InputError, StoreError
-from ppqa.store.inputs import QuestionInput, resolve_template
+from ppqa.files.inputs import QuestionInput, resolve_template
 from ppqa.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, Answer, Document, Job,
                                Question)
 from ppqa.store.params import GenerationParams

@@ -10,9 +10,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ppqa.modes import check_mode
 from ppqa.store.errors import InputError
 
-MODES = ("auto", "parallel", "stock", "cascade")
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,10 @@ class GenerationParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InputError(f"seed must be a whole number >= 0, got {self.seed!r}")
-        if self.mode not in MODES:
-            raise InputError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        try:
+            check_mode(self.mode)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise InputError(f"model must be a non-empty name or path, got {self.model!r}")
 

@@ -253,3 +253,15 @@ def requeue_expired(db: Database, max_attempts: int = 3) -> dict[str, list[int]]
             conn.execute(update(Job).where(Job.id.in_(requeued)).values(
                 status=QUEUED, lease_owner=None, lease_expires_at=None))
     return {"requeued": requeued, "failed": failed}
+
+
+def waiting_questions(db: Database, model: str | None = None) -> int:
+    """Unanswered questions of queued jobs (that a worker of `model` may take): the part of the
+    queue nobody has claimed yet, for a worker's progress total."""
+    stmt = (select(func.count(Question.id)).join(Job, Job.id == Question.job_id)
+            .outerjoin(Answer, Answer.question_id == Question.id)
+            .where(Job.status == QUEUED, Answer.id.is_(None)))
+    if model is not None:
+        stmt = stmt.where(or_(Job.model.is_(None), Job.model == model))
+    with db.read() as conn:
+        return int(conn.execute(stmt).scalar_one())

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from sqlalchemy import select
 
 from ppqa.store.db import Database
+from ppqa.store.timefmt import iso
 from ppqa.store.models import Report
 
 
@@ -72,8 +73,6 @@ REPORT_COLUMNS = ("id", "job_id", "worker", "device", "model", "mode", "streams"
 
 def list_reports(db: Database, job_id: int | None = None) -> list[dict]:
     """Report rows as JSON-ready dicts, oldest first (all jobs, or one)."""
-    from ppqa.store.views import iso
-
     stmt = select(*[getattr(Report, c) for c in REPORT_COLUMNS]).order_by(Report.id)
     if job_id is not None:
         stmt = stmt.where(Report.job_id == job_id)

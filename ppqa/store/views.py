@@ -7,20 +7,15 @@ UTC strings ("2026-11-29T12:00:00Z").
 
 from __future__ import annotations
 
-from datetime import datetime
 
 from sqlalchemy import func, select
 
 from ppqa.store.db import Database
+from ppqa.store.reports import list_reports
+from ppqa.store.timefmt import iso
 from ppqa.store.errors import StoreError
 from ppqa.store.jobs import answered_counts
 from ppqa.store.models import JOB_STATUSES, Answer, Document, Job, Question
-
-
-def iso(value: datetime | None) -> str | None:
-    if value is None:
-        return None
-    return value.replace(microsecond=0).isoformat() + "Z"
 
 
 def queue_status(db: Database) -> dict:
@@ -84,8 +79,6 @@ def list_jobs(db: Database, status: str | None = None, limit: int | None = None)
 
 def job_detail(db: Database, job_id: int) -> dict:
     """One job with its questions, the answers so far and its speed reports."""
-    from ppqa.store.reports import list_reports
-
     with db.read() as conn:
         row = conn.execute(select(*_JOB_COLUMNS).join(Document, Document.id == Job.document_id)
                            .where(Job.id == job_id)).first()

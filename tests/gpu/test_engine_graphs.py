@@ -6,7 +6,7 @@ import torch
 
 from ppqa import Engine, SamplingParams
 from ppqa.config import EngineConfig
-from ppqa.engine.graph_runner import length_bucket
+from ppqa.engine.runtime.graph_runner import length_bucket
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

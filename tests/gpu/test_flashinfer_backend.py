@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("model,tensor_cores", [("tiny-hd128", False), ("qwen2.5-1.5b", True)])
 def test_flashinfer_decode_matches_ours_on_every_step(model, tensor_cores, monkeypatch):
-    from ppqa.engine.flashinfer_backend import FlashInferBackend
-    from ppqa.engine.triton_backend import TritonBackend
+    from ppqa.engine.attention.flashinfer_backend import FlashInferBackend
+    from ppqa.engine.attention.triton_backend import TritonBackend
 
     eng = Engine(f"dummy:{model}", device="cuda",
                  config=EngineConfig(attention_backend="flashinfer", mem_fraction=0.2))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_inputs import Pool, decode_step, parallel_step
 
-from ppqa.engine.attention import CascadeMetadata, ForwardMetadata
-from ppqa.engine.triton_backend import TritonBackend
+from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata
+from ppqa.engine.attention.triton_backend import TritonBackend
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -10,7 +10,8 @@ from kernel_inputs import Pool, decode_step
 
 from ppqa.kernels.cascade import shared_prefix_attention, shared_prefix_attention_ref
 from ppqa.kernels.decode_attention import decode_attention, decode_attention_ref
-from ppqa.kernels.merge import merge_attention_states, merge_attention_states_ref
+from ppqa.kernels._ref import combine_states_ref
+from ppqa.kernels.merge import merge_attention_states
 
 # (document lengths of the batch's groups, requests per group)
 CASES = [((37,), 1), ((300,), 5), ((1000, 37), 3)] + ([((1000, 300), 64)] if ON_GPU else [])
@@ -94,7 +95,7 @@ def test_merge_handles_empty_states():
     lse_a[1], lse_b[1] = float("-inf"), float("-inf")
     out, lse = poisoned(o_a.shape), poisoned(lse_a.shape)
     merge_attention_states(o_a, lse_a, o_b, lse_b, out, lse)
-    ref_o, ref_lse = merge_attention_states_ref(o_a.cpu(), lse_a.cpu(), o_b.cpu(), lse_b.cpu())
+    ref_o, ref_lse = combine_states_ref([(o_a.cpu(), lse_a.cpu()), (o_b.cpu(), lse_b.cpu())])
     ref_o[1] = 0.0
     assert_close_to_ref(out, ref_o, torch.float32, "merge o")
     assert_close_to_ref(lse, ref_lse, torch.float32, "merge lse")

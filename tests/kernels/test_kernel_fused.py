@@ -13,7 +13,7 @@ from checks import DEVICE, DTYPES, ON_GPU, case_id
 
 from ppqa.engine.model.llama import build_model
 from ppqa.engine.model.rope import RotaryEmbedding
-from ppqa.engine.presets import dummy_weights, preset_config
+from ppqa.engine.loading.presets import dummy_weights, preset_config
 from ppqa.kernels.fused import (
     add_rms_norm, add_rms_norm_ref, apply_rope, apply_rope_ref, rms_norm, rms_norm_ref,
     silu_and_mul, silu_and_mul_ref,

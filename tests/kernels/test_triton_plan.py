@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ppqa.engine.attention import CascadeMetadata, ForwardMetadata
-from ppqa.engine.triton_backend import TritonBackend
+from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata
+from ppqa.engine.attention.triton_backend import TritonBackend
 
 HEADS, DIM, DOC = 4, 16, 4096
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ppqa.engine.attention import AttentionBackend, ForwardMetadata
+from ppqa.engine.attention.metadata import AttentionBackend, ForwardMetadata
 from ppqa.engine.model.config import ModelConfig
 from ppqa.engine.model.rope import RotaryEmbedding
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ppqa.engine.attention import ForwardMetadata
-from ppqa.engine.triton_backend import TritonBackend
+from ppqa.engine.attention.metadata import ForwardMetadata
+from ppqa.engine.attention.triton_backend import TritonBackend
 from ppqa.kernels.kv_store import store_kv
 
 WORKSPACE_BYTES = 256 << 20

@@ -2,7 +2,7 @@
 
 A prompt is a shared prefix (chat wrapper start + instruction + document) and one suffix per
 question (question + end of the user turn + the assistant's start). The Jinja2 templates in the
-top-level `templates/` folder (or a user's `.jinja` file) supply the text of both parts as two
+`ppqa.templates` package (or a user's `.jinja` file) supply the text of both parts as two
 blocks, `prefix` and `question`; `Tokenizer.prompt` wraps them in the model's chat template when it
 has one and tokenizes prefix and each suffix separately, so the split is a token boundary by
 construction and `stock`, `parallel` and `cascade` all see the same ids.
@@ -16,13 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-# The repository's top-level templates/ folder (ppqa/engine/tokenizer.py -> repo root).
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
-TEMPLATE_SUFFIX = ".jinja"
+from ppqa.templates import load_template, render_block
+
 # Splits a rendered chat conversation into the prefix and the per-question part; control
 # characters so that no real text (or chat template) contains it.
 _SPLIT_MARK = "\x00ppqa-split\x00"
@@ -172,57 +169,3 @@ class ByteTokenizer(Tokenizer):
         # Specials and the ids above them (a random model emits any id below vocab_size) carry no text.
         data = bytes(int(i) for i in ids if 0 <= int(i) < self.NUM_BYTES)
         return data.decode("utf-8", errors="replace")
-
-
-# ---- templates -------------------------------------------------------------------------------
-
-
-def list_templates() -> list[str]:
-    """Names of the built-in templates (files `templates/<name>.jinja`)."""
-    return sorted(p.name[: -len(TEMPLATE_SUFFIX)] for p in TEMPLATES_DIR.glob("*" + TEMPLATE_SUFFIX))
-
-
-@lru_cache(maxsize=1)
-def _environment() -> Any:
-    from jinja2.sandbox import SandboxedEnvironment
-
-    # Sandboxed for every template: user templates are untrusted, and one environment keeps the
-    # built-in and user templates rendering identically. keep_trailing_newline: the templates'
-    # whitespace is part of the prompt.
-    return SandboxedEnvironment(keep_trailing_newline=False, autoescape=False)
-
-
-def load_template(template: str) -> Any:
-    """A compiled template from a built-in name or a path to a .jinja file."""
-    import jinja2
-
-    path = Path(template).expanduser()
-    if template in list_templates():
-        path = TEMPLATES_DIR / (template + TEMPLATE_SUFFIX)
-    elif not (path.suffix == TEMPLATE_SUFFIX or path.exists()):
-        raise ValueError(f"unknown template {template!r}: built-in templates are "
-                         f"{', '.join(list_templates())}, or give a path to a .jinja file")
-    try:
-        source = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ValueError(f"cannot read template file {str(path)!r}: {e.strerror or e}") from e
-    try:
-        tmpl = _environment().from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"template {str(path)!r} line {e.lineno}: {e.message}") from e
-    missing = [b for b in ("prefix", "question") if b not in tmpl.blocks]
-    if missing:
-        raise ValueError(f"template {str(path)!r} must define the blocks 'prefix' (instruction + "
-                         f"{{{{ document }}}}) and 'question' ({{{{ question }}}}); missing: "
-                         f"{', '.join(missing)}")
-    return tmpl
-
-
-def render_block(tmpl: Any, block: str, context: Mapping[str, Any]) -> str:
-    """Render one block of a template with `context`."""
-    import jinja2
-
-    try:
-        return "".join(tmpl.blocks[block](tmpl.new_context(dict(context))))
-    except jinja2.TemplateError as e:
-        raise ValueError(f"template block {block!r} failed to render: {e}") from e

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-MODES = ("stock", "stock-flashinfer", "cascade", "parallel", "auto")
+# The bench times every engine mode, plus stock on FlashInfer's decode kernel.
+BENCH_MODES = ("stock", "stock-flashinfer", "cascade", "parallel", "auto")
 # Columns that run `stock` on a second engine with another attention backend (the same dummy
 # weights: the same seed), each a baseline beside ours: label -> EngineConfig.attention_backend.
 SECOND_BASELINES = {"stock-flashinfer": "flashinfer"}
@@ -206,7 +207,7 @@ def write_results(path: Path, gpu: str, command: str, cells: list[Cell]) -> None
 
 def markdown_table(cells: list[dict]) -> str:
     """One row per cell: mean wall seconds per mode and speedups over stock."""
-    modes = [m for m in MODES if any(m in c["wall_s"] for c in cells)]
+    modes = [m for m in BENCH_MODES if any(m in c["wall_s"] for c in cells)]
     head = "| model | doc | Q | tokens | " + " | ".join(f"{m} s" for m in modes)
     head += " | " + " | ".join(f"{m} x" for m in modes if m != "stock") + " |"
     sep = "|" + "---|" * (4 + len(modes) + len(modes) - 1)
@@ -231,7 +232,7 @@ def plot_speedups(cells: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    modes = [m for m in MODES if m != "stock" and any(m in c.get("speedups", {}) for c in cells)]
+    modes = [m for m in BENCH_MODES if m != "stock" and any(m in c.get("speedups", {}) for c in cells)]
     def tokens(n: int) -> str:
         return f"{n // 1024}k" if n >= 1024 else str(n)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ppqa.engine.loader import LazyWeights, LoadedModel, ModelLoadError
+from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 from ppqa.engine.model.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -149,7 +149,7 @@ def _check_shapes(files: dict[str, Path], expected: dict[str, tuple[int, ...]], 
 
 
 def load_hf_dir(directory: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    from ppqa.engine.presets import weight_shapes
+    from ppqa.engine.loading.presets import weight_shapes
 
     raw = _read_json(directory / "config.json")
     config = config_from_hf(raw, directory)
@@ -175,7 +175,7 @@ def load_hf_dir(directory: Path, *, device: torch.device, dtype: torch.dtype) ->
 
 
 def hf_dir_tokenizer(directory: Path, config: ModelConfig) -> Any:
-    from ppqa.engine.tokenizer import HFTokenizer
+    from ppqa.engine.loading.tokenizer import HFTokenizer
 
     try:
         import transformers

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ppqa.engine.model.config import ModelConfig
-from ppqa.engine.tokenizer import ByteTokenizer
+from ppqa.engine.loading.tokenizer import ByteTokenizer
 
 # The benchmark runs 16k-token documents + questions + up to 1,024 answer tokens, so every 7B/8B
 # preset allows 32,768 positions even where the real model's context is shorter (CodeLlama: 16,384;

@@ -1,4 +1,4 @@
-"""Reading what users ingest: a document file, a questions file, a batch file; and templates.
+"""Reading what users ingest: a document file, a questions file, a batch file, a template path.
 
 Every check happens here, before the store is opened, so that bad input changes nothing. Each
 problem raises `InputError` with one line naming the file and, where there is one, the line
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ppqa.store.errors import InputError
+from ppqa.templates import list_templates
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 QUESTION_FORMATS = (".txt", ".jsonl", ".csv")
 
 
@@ -174,21 +174,14 @@ def _parse_csv(text: str, label: str) -> list[QuestionInput]:
     return out
 
 
-def available_templates() -> list[str]:
-    """Built-in template names: the `*.jinja` files of the top-level templates/ folder."""
-    if not TEMPLATES_DIR.is_dir():
-        return []
-    return sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja") if not p.name.startswith("_"))
-
-
 def resolve_template(template: str) -> str:
     """A built-in name as is, or a user `.jinja` file as an absolute path; else InputError."""
-    if template in available_templates():
+    if template in list_templates():
         return template
     path = Path(template).expanduser()
     if template.endswith(".jinja") and path.is_file():
         return str(path.resolve())
-    known = ", ".join(available_templates()) or "none installed"
+    known = ", ".join(list_templates())
     raise InputError(f"unknown template {template!r} (built-in: {known}; or a path to a .jinja file)")
 
 

@@ -166,19 +166,3 @@ class ProgressSink:
     def message(self, text: str) -> None: ...
 
     def finished(self, summary: WorkerSummary) -> None: ...
-
-
-def waiting_questions(db: Database, model: str | None = None) -> int:
-    """Unanswered questions of queued jobs (that this worker's model may take): the part of
-    the queue not yet claimed by anyone, for the progress total."""
-    from sqlalchemy import func, or_, select
-
-    from ppqa.store.models import QUEUED, Answer, Job, Question
-
-    stmt = (select(func.count(Question.id)).join(Job, Job.id == Question.job_id)
-            .outerjoin(Answer, Answer.question_id == Question.id)
-            .where(Job.status == QUEUED, Answer.id.is_(None)))
-    if model is not None:
-        stmt = stmt.where(or_(Job.model.is_(None), Job.model == model))
-    with db.read() as conn:
-        return int(conn.execute(stmt).scalar_one())

@@ -11,7 +11,7 @@ step's new slots) turns the `ForwardMetadata` into a plan that every layer reuse
   - cascade decode: per group of requests sharing a document, the document's slot runs; per
     request, its suffix runs [doc_len, prefix_len + 1). The document part is one matrix-matrix
     product of the group's queries with the document's keys, the suffix part is per request, and
-    the two are merged by log-sum-exp (`merge_partials`), literally as a cascade kernel would;
+    the two are merged by log-sum-exp (`merge_two_states`), literally as a cascade kernel would;
   - cascade extend (question prefill): the same split, the group's rows being question tokens
     and the per-request part the masked extend from kv_start = doc_len.
 Scores and softmax are computed in float32 whatever the model dtype. Each layer's `forward` first
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ppqa.engine.attention import ForwardMetadata
-from ppqa.engine.kv_cache import KVPool
-from ppqa.engine.layout import extend_mask
+from ppqa.engine.attention.metadata import ForwardMetadata
+from ppqa.engine.runtime.kv_cache import KVPool
+from ppqa.engine.runtime.layout import extend_mask
 
 Runs = list[tuple[int, int]]  # [start, end) ranges of consecutive pool slots
 
@@ -83,7 +83,7 @@ def attend_masked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     return out, lse.transpose(0, 1)
 
 
-def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+def merge_two_states(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
                    lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two attention results over disjoint key sets: out [..., D], lse [...]."""
     lse = torch.logaddexp(lse1, lse2)
@@ -164,7 +164,7 @@ class TorchBackend:
         for a, b, doc_runs in groups:
             # Cascade prefill: every question token of the group against the document at once.
             doc_out, doc_lse = attend_runs(q[a:b], k_buf, v_buf, doc_runs, self.sm_scale)
-            out[a:b], lse[a:b] = merge_partials(doc_out, doc_lse, out[a:b], lse[a:b])
+            out[a:b], lse[a:b] = merge_two_states(doc_out, doc_lse, out[a:b], lse[a:b])
         return out
 
     def _decode(self, q, k_buf, v_buf) -> torch.Tensor:
@@ -176,5 +176,5 @@ class TorchBackend:
             # Cascade: the group's queries form one [n_g, H, D] block against the document's keys,
             # read once for the whole group, then merged with each request's own part.
             doc_out, doc_lse = attend_runs(q[a:b], k_buf, v_buf, doc_runs, self.sm_scale)
-            out[a:b], lse[a:b] = merge_partials(doc_out, doc_lse, out[a:b], lse[a:b])
+            out[a:b], lse[a:b] = merge_two_states(doc_out, doc_lse, out[a:b], lse[a:b])
         return out

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ppqa.engine.kv_cache import CachedDocument, DocumentCache, KVPool, ReqToTokenTable
-from ppqa.engine.layout import StepLayout, decode_layout, document_layout, question_layout
-from ppqa.engine.request import Request, Stream
-from ppqa.engine.runner import StepInputs
-from ppqa.engine.sampling import SamplingBatch
+from ppqa.engine.runtime.kv_cache import CachedDocument, DocumentCache, KVPool, ReqToTokenTable
+from ppqa.engine.runtime.layout import StepLayout, decode_layout, document_layout, question_layout
+from ppqa.engine.runtime.request import Request, Stream
+from ppqa.engine.runtime.runner import StepInputs
+from ppqa.engine.runtime.sampling import SamplingBatch
 
 
 @dataclass(eq=False)

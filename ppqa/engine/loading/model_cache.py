@@ -21,6 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ppqa.engine.loading.types import ModelLoadError
+from ppqa.paths import ppqa_home
+
 
 @dataclass(frozen=True)
 class EmbeddedModel:
@@ -53,21 +56,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 
 
 def _error(message: str) -> Exception:
-    from ppqa.engine.loader import ModelLoadError  # late: loader imports this module
-
     return ModelLoadError(message)
-
-
-def ppqa_home() -> Path:
-    """$PPQA_HOME, else the user data dir for "ppqa" (platformdirs, or XDG when it is missing)."""
-    if os.environ.get("PPQA_HOME"):
-        return Path(os.environ["PPQA_HOME"]).expanduser()
-    try:
-        import platformdirs
-    except ImportError:
-        base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-        return Path(base) / "ppqa"
-    return Path(platformdirs.user_data_dir("ppqa"))
 
 
 def models_dir() -> Path:
@@ -168,7 +157,7 @@ class CachedModel:
 
 def list_models(root: Path | None = None) -> list[CachedModel]:
     """Embedded models (cached or not), dummy presets, and .gguf files / HF dirs in the cache."""
-    from ppqa.engine.presets import PRESETS
+    from ppqa.engine.loading.presets import PRESETS
 
     root = root or models_dir()
     rows = [CachedModel(name, "embedded", str(embedded_path(name, root)), is_cached(name, root),

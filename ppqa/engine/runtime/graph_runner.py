@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ppqa.engine.attention import CascadeMetadata, ForwardMetadata
+from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata
 
 
 def length_bucket(n: int) -> int:

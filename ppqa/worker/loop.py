@@ -26,11 +26,10 @@ from ppqa.store import queue
 from ppqa.store.db import Database
 from ppqa.store.errors import StoreError
 from ppqa.store.queue import ClaimedJob
-from ppqa.worker_lease import LeaseKeeper
-from ppqa.worker_report import JobOutcome, JobRun, ProgressSink, WorkerSummary, job_report
-from ppqa.worker_setup import default_worker_id
+from ppqa.worker.lease import LeaseKeeper
+from ppqa.worker.report import JobOutcome, JobRun, ProgressSink, WorkerSummary, job_report
+from ppqa.worker.setup import default_worker_id
 
-MODES = ("auto", "parallel", "stock", "cascade")
 # An engine that raises on this many cycles in a row is broken, not unlucky: stop the worker
 # rather than burn through the queue failing every job. Each failure halves the next batch first.
 MAX_ENGINE_CRASHES = 3
@@ -51,8 +50,6 @@ class WorkerOptions:
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.streams is not None and self.streams != "auto" and (
                 not isinstance(self.streams, int) or self.streams < 1):
             raise ValueError(f"streams must be at least 1 or 'auto', got {self.streams!r}")

@@ -21,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from ppqa.engine.attention import CascadeMetadata, ForwardMetadata
-from ppqa.engine.kv_cache import KVPool, ReqToTokenTable
-from ppqa.engine.layout import StepLayout
+from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
+from ppqa.engine.runtime.layout import StepLayout
 from ppqa.engine.model.llama import LlamaModel
 
 
@@ -72,7 +72,7 @@ class ModelRunner:
         self.device = device
         self.graphs = None
         if cuda_graphs:
-            from ppqa.engine.graph_runner import GraphCache
+            from ppqa.engine.runtime.graph_runner import GraphCache
 
             self.graphs = GraphCache(model, backend, device)
 

@@ -25,8 +25,9 @@ def default_worker_id() -> str:
 
 
 def resolve_device(gpu: int | None = None, device: str | None = None) -> str:
-    """'cpu' or 'cuda:N', checked to exist and to run a tiny operation."""
-    import torch
+    """'cpu' or 'cuda:N' for `--gpu N` / `--device D` (default: the GPU when there is one),
+    checked to exist and to run a tiny operation."""
+    from ppqa.engine.devices import resolve_device as engine_device
 
     if gpu is not None and device is not None:
         raise SetupError("give --gpu N or --device, not both")
@@ -34,29 +35,10 @@ def resolve_device(gpu: int | None = None, device: str | None = None) -> str:
         if gpu < 0:
             raise SetupError(f"--gpu must be a GPU index >= 0, got {gpu}")
         device = f"cuda:{gpu}"
-    if device is None:
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise SetupError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if dev.type == "cpu":
-        return "cpu"
-    if dev.type != "cuda":
-        raise SetupError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
-        raise SetupError(f"cannot use {device}: no CUDA GPU is available here (use --device cpu)")
-    count = torch.cuda.device_count()
-    index = 0 if dev.index is None else dev.index
-    if index >= count:
-        raise SetupError(f"there is no GPU {index}: this machine has {count} "
-                         f"(indices 0 to {count - 1})")
-    try:  # a GPU that exists can still be unusable (busy in exclusive mode, broken driver)
-        torch.ones(1, device=f"cuda:{index}").add_(1)
-        torch.cuda.synchronize(index)
-    except Exception as exc:  # noqa: BLE001 - any failure means the same thing here
-        raise SetupError(f"GPU {index} is not usable: {_first_line(exc)}") from None
-    return f"cuda:{index}"
+        return str(engine_device(device or "auto", probe=True))
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
 
 
 def load_engine(model: str, device: str, **config_fields):

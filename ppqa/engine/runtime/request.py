@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ppqa.config import SamplingParams
-from ppqa.engine.kv_cache import CachedDocument, document_key
+from ppqa.engine.runtime.kv_cache import CachedDocument, document_key
 
 
 @dataclass(eq=False)

@@ -1,11 +1,11 @@
 """Model loading: a spec string in, a config + lazy weights + tokenizer out.
 
 `load_model(spec)` accepts
-  - an embedded name (`smollm2`): fetched into the model cache on first use (`engine/model_cache.py`),
+  - an embedded name (`smollm2`): fetched into the model cache on first use (`model_cache.py`),
     then loaded as a GGUF file;
-  - a path to a `.gguf` file (`engine/gguf_loader.py`, dequantized with the `gguf` package);
-  - a path to a Hugging Face directory (`engine/hf_loader.py`: config.json + safetensors);
-  - `dummy:<preset>` (`engine/presets.py`: seeded random weights, no files).
+  - a path to a `.gguf` file (`gguf.py`, dequantized with the `gguf` package);
+  - a path to a Hugging Face directory (`hf.py`: config.json + safetensors);
+  - `dummy:<preset>` (`presets.py`: seeded random weights, no files).
 Every source yields the same thing: a `ModelConfig` and weights under Hugging Face Llama names,
 already in the requested dtype and on the requested device, produced one tensor at a time so the
 engine (which builds its model on the meta device) never holds two copies of a large model.
@@ -16,56 +16,19 @@ This module imports neither `gguf` nor `platformdirs` at the top: the GPU machin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from ppqa.engine.model.config import ModelConfig
-from ppqa.engine.tokenizer import Tokenizer
+from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 
 DUMMY_PREFIX = "dummy:"
 
 
-class ModelLoadError(ValueError):
-    """A model that cannot be loaded: unknown name, missing or corrupt file, unsupported format."""
-
-
-class LazyWeights:
-    """An iterable of (name, tensor) that re-opens its source on every iteration.
-
-    Each iteration produces tensors one at a time; nothing is kept between iterations.
-    """
-
-    def __init__(self, produce: Callable[[], Iterator[tuple[str, torch.Tensor]]], count: int) -> None:
-        self._produce = produce
-        self.count = count  # number of tensors one iteration yields
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._produce()
-
-    def __len__(self) -> int:
-        return self.count
-
-
-@dataclass
-class LoadedModel:
-    config: ModelConfig
-    weights: Iterable[tuple[str, torch.Tensor]]  # HF Llama names; requested dtype and device; lazy
-    tokenizer: Tokenizer
-    source: str  # human description, e.g. "gguf:/path (Q4_1)"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.config, ModelConfig):
-            raise TypeError(f"LoadedModel.config must be a ModelConfig, got {type(self.config).__name__}")
-        if not self.source:
-            raise ValueError("LoadedModel.source must describe where the model came from")
-
-
 def preset_names() -> list[str]:
     """Names usable as `dummy:<name>`."""
-    from ppqa.engine.presets import preset_names as names
+    from ppqa.engine.loading.presets import preset_names as names
 
     return names()
 
@@ -73,7 +36,7 @@ def preset_names() -> list[str]:
 def load_model(spec: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                seed: int = 0) -> LoadedModel:
     """Load the model named by `spec` (see the module docstring); `seed` only affects dummy weights."""
-    from ppqa.engine import model_cache
+    from ppqa.engine.loading import model_cache
 
     device = torch.device(device)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -101,7 +64,7 @@ def load_model(spec: str, *, device: torch.device | str = "cpu", dtype: torch.dt
 def _load_path(path: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     if path.is_dir():
         if (path / "config.json").exists():
-            from ppqa.engine.hf_loader import load_hf_dir
+            from ppqa.engine.loading.hf import load_hf_dir
 
             return load_hf_dir(path, device=device, dtype=dtype)
         ggufs = sorted(path.glob("*.gguf"))
@@ -116,7 +79,7 @@ def _load_path(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loade
                    "or a directory holding one .gguf file")
             )
     if path.suffix.lower() == ".gguf":
-        from ppqa.engine.gguf_loader import load_gguf
+        from ppqa.engine.loading.gguf import load_gguf
 
         return load_gguf(path, device=device, dtype=dtype)
     if path.suffix.lower() in (".bin", ".pt", ".pth", ".pkl", ".ckpt"):
@@ -128,7 +91,7 @@ def _load_path(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loade
 
 
 def _load_dummy(name: str, *, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
-    from ppqa.engine import presets
+    from ppqa.engine.loading import presets
 
     if name not in presets.PRESETS:
         raise ModelLoadError(f"unknown dummy preset {name!r}: available presets are "

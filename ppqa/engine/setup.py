@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from ppqa.config import EngineConfig
-from ppqa.engine.kv_cache import DocumentCache, KVPool, ReqToTokenTable
+from ppqa.engine.devices import resolve_device
+from ppqa.engine.runtime.kv_cache import DocumentCache, KVPool, ReqToTokenTable
 from ppqa.engine.model.llama import LlamaModel, build_model
-from ppqa.engine.runner import ModelRunner
+from ppqa.engine.runtime.runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,20 +39,6 @@ class EngineParts:
     docs: DocumentCache
     backend: object
     runner: ModelRunner
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {name!r} (use 'cpu', 'cuda', 'cuda:N' or 'auto')") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but this torch has no CUDA device available")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _pool_slots(config: EngineConfig, device: torch.device, bytes_per_slot: int) -> int:
@@ -83,22 +70,22 @@ def _make_backend(name: str, device: torch.device, pool: KVPool, model: LlamaMod
         name = "triton" if device.type == "cuda" else "torch"
         if name == "triton":
             try:
-                import ppqa.engine.triton_backend  # noqa: F401
+                import ppqa.engine.attention.triton_backend  # noqa: F401
             except ModuleNotFoundError as e:
-                if e.name != "ppqa.engine.triton_backend":
+                if e.name != "ppqa.engine.attention.triton_backend":
                     raise
-                warnings.warn("ppqa.engine.triton_backend is not available; using the torch "
+                warnings.warn("ppqa.engine.attention.triton_backend is not available; using the torch "
                               "attention backend on the GPU", stacklevel=3)
                 name = "torch"
     if name == "triton":
-        from ppqa.engine.triton_backend import TritonBackend
+        from ppqa.engine.attention.triton_backend import TritonBackend
 
         return name, TritonBackend(*args)
     if name == "flashinfer":
-        from ppqa.engine.flashinfer_backend import FlashInferBackend
+        from ppqa.engine.attention.flashinfer_backend import FlashInferBackend
 
         return name, FlashInferBackend(*args)
-    from ppqa.engine.torch_backend import TorchBackend
+    from ppqa.engine.attention.torch_backend import TorchBackend
 
     return name, TorchBackend(*args)
 

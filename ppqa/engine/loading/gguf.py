@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ppqa.engine.loader import LazyWeights, LoadedModel, ModelLoadError
+from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 from ppqa.engine.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -186,7 +186,7 @@ def _weights(path: Path, config: ModelConfig, arch: str, device: torch.device,
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from ppqa.engine.presets import weight_shapes
+    from ppqa.engine.loading.presets import weight_shapes
 
     return dict(weight_shapes(config))
 
@@ -224,7 +224,7 @@ def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loaded
 
 
 def gguf_tokenizer(path: Path, extra_eos_ids: list[int]) -> Any:
-    from ppqa.engine.tokenizer import HFTokenizer
+    from ppqa.engine.loading.tokenizer import HFTokenizer
 
     hf = _hf_tokenizer(str(path.resolve()), path.stat().st_mtime_ns)
     return HFTokenizer(hf, extra_eos_ids=extra_eos_ids)

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ppqa.engine.attention import ForwardMetadata
+from ppqa.engine.attention.metadata import ForwardMetadata
 from ppqa.kernels import _arch
 from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits, shared_prefix_attention
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
 from ppqa.kernels.kv_store import store_kv
-from ppqa.kernels.merge import PartialScratch, merge_partials
+from ppqa.kernels.merge import PartialScratch, merge_attention_states, merge_partials
 
 # Partial-state scratch: 256 MiB on a GPU holds 64 splits of 64 tokens x 32 heads x 128 dims
 # (or 16 splits of a 256-request decode step); the CPU interpreter needs far less.
@@ -147,10 +147,7 @@ class TritonBackend:
                          meta.kv_start, meta.prefix_lens, meta.qo_indptr, meta.q_sid,
                          self.pool.slot_sid, meta.max_extend_len, self.sm_scale, lse=own_lse,
                          num_splits=plan.splits, scratch=self.scratch)
-        lse = torch.logaddexp(doc_lse, own_lse)
-        safe = lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)
-        o.copy_(doc_o * torch.exp(doc_lse.unsqueeze(-1) - safe)
-                + own_o * torch.exp(own_lse.unsqueeze(-1) - safe))
+        merge_attention_states(doc_o, doc_lse, own_o, own_lse, o)
 
     def _fork(self) -> torch.cuda.Stream | None:
         """The side stream, made to wait for the current one (q and the K/V store ready);

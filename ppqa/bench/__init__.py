@@ -1,0 +1,1 @@
+"""Benchmarks that ship with ppqa: the paper-grid `ppqa bench` (`grid`)."""

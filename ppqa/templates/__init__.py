@@ -1,0 +1,86 @@
+"""Prompt templates: the built-in `*.jinja` files of this package, and users' `.jinja` files.
+
+A template defines two Jinja2 blocks: `prefix` (the instruction and `{{ document }}`, shared by
+every question) and `question` (`{{ question }}`, one per question). The built-in ones are package
+data, read through `importlib.resources` so that they are found in an installed wheel as in a
+source checkout. Every template renders in one sandboxed environment: users' templates are
+untrusted. Jinja2 is imported on first use, so listing names stays cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+TEMPLATE_SUFFIX = ".jinja"
+REQUIRED_BLOCKS = ("prefix", "question")
+
+
+def list_templates() -> list[str]:
+    """Names of the built-in templates (`ppqa/templates/<name>.jinja`), sorted."""
+    return sorted(entry.name[: -len(TEMPLATE_SUFFIX)]
+                  for entry in resources.files(__name__).iterdir()
+                  if entry.name.endswith(TEMPLATE_SUFFIX) and not entry.name.startswith("_"))
+
+
+def builtin_source(name: str) -> str:
+    """The text of built-in template `name`."""
+    return resources.files(__name__).joinpath(name + TEMPLATE_SUFFIX).read_text(encoding="utf-8")
+
+
+def template_source(template: str) -> tuple[str, str]:
+    """(label, text) of a built-in name or a path to a `.jinja` file; ValueError otherwise."""
+    if template in list_templates():
+        return template, builtin_source(template)
+    path = Path(template).expanduser()
+    if not (path.suffix == TEMPLATE_SUFFIX or path.exists()):
+        raise ValueError(f"unknown template {template!r}: built-in templates are "
+                         f"{', '.join(list_templates())}, or give a path to a .jinja file")
+    try:
+        return str(path), path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read template file {str(path)!r}: {e.strerror or e}") from e
+
+
+@lru_cache(maxsize=1)
+def _environment() -> Any:
+    from jinja2.sandbox import SandboxedEnvironment
+
+    # The templates' whitespace is part of the prompt, so nothing is trimmed or escaped.
+    return SandboxedEnvironment(keep_trailing_newline=False, autoescape=False)
+
+
+def compile_template(source: str, label: str = "<template>") -> Any:
+    """A compiled template from its text; ValueError naming `label` if it does not compile or
+    lacks a required block."""
+    import jinja2
+
+    try:
+        tmpl = _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"template {label!r} line {e.lineno}: {e.message}") from e
+    missing = [b for b in REQUIRED_BLOCKS if b not in tmpl.blocks]
+    if missing:
+        raise ValueError(f"template {label!r} must define the blocks 'prefix' (instruction + "
+                         f"{{{{ document }}}}) and 'question' ({{{{ question }}}}); missing: "
+                         f"{', '.join(missing)}")
+    return tmpl
+
+
+def load_template(template: str) -> Any:
+    """A compiled template from a built-in name or a path to a `.jinja` file."""
+    label, source = template_source(template)
+    return compile_template(source, label)
+
+
+def render_block(tmpl: Any, block: str, context: Mapping[str, Any]) -> str:
+    """Render one block of a compiled template with `context`."""
+    import jinja2
+
+    try:
+        return "".join(tmpl.blocks[block](tmpl.new_context(dict(context))))
+    except jinja2.TemplateError as e:
+        raise ValueError(f"template block {block!r} failed to render: {e}") from e

@@ -1,0 +1,2 @@
+"""The worker behind `ppqa run`: the claim/answer/settle loop (`loop`), leases (`lease`),
+per-job progress and reports (`report`) and the checks made before any claim (`setup`)."""
