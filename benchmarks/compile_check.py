@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also compile the contiguous-document sweep configs of kernels.py")
     sweep = parser.parse_args().sweep
-    print(f"triton {triton.__version__} (the H200 runs have used 3.6.0: to match, put that wheel "
+    print(f"triton {triton.__version__} (the H200 results used 3.6.0: to match, put that wheel "
           "first on PYTHONPATH)")
     JITFunction.run = _compile
     from ppqa.kernels.cascade import shared_prefix_attention

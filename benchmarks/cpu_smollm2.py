@@ -3,7 +3,8 @@
 32 questions about a ~2,000-token document (the seeded synthetic text of `ppqa bench`), 32 answer
 tokens each (EOS ignored, greedy), the document cached before timing as the paper does. Each mode's
 wall time is split into question prefill and decode as reported by `Engine.run`; answers are
-checked to be identical across modes. Writes benchmarks/results/cpu_smollm2.json and prints a table.
+checked to be identical across modes. Writes benchmarks/results/cpu/smollm2.json (RESULTS.md,
+"CPU: SmolLM2-135M") and prints a table.
 
     .venv/bin/python benchmarks/cpu_smollm2.py [--modes stock parallel cascade] [--passes 1]
         [--threads 1]
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ppqa import Engine, QuestionRequest, SamplingParams  # noqa: E402
-from ppqa.bench import git_commit, make_workload  # noqa: E402
+from ppqa.bench.grid import git_commit, make_workload  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (1 avoids OpenMP spin-waits on a busy machine)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_smollm2.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu" / "smollm2.json")
     args = parser.parse_args()
 
     import torch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FlashInfer's paged decode beside our stock decode on the GPU machine (issue 6), per layer
+# FlashInfer's paged decode beside our stock decode on the GPU machine, per layer
 # (benchmarks/flashinfer_stock.py), from the source release that flashinfer_setup.sh unpacks.
 # Usage there, from the repo root, with .fi carried:
 #   timeout 300 bash benchmarks/flashinfer_device.sh [--cells 16384x256] [--doc-product]

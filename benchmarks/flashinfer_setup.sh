@@ -13,8 +13,8 @@ ln -sfn "$FI_SRC/include" "$FI_SRC/flashinfer/data/include"
 ln -sfn "$FI_SRC/csrc" "$FI_SRC/flashinfer/data/csrc"
 ln -sfn "$FI_SRC/3rdparty/cutlass" "$FI_SRC/flashinfer/data/cutlass"
 # nvcc 13 gives __global__ template stubs internal linkage, and 0.2.5's decode module then fails
-# to link (run 7, call 4: "relocation ... against undefined hidden symbol BatchDecodeWith
-# PagedKVCacheKernel"); later FlashInfer releases pass this flag (their PR #1523).
+# to link ("relocation ... against undefined hidden symbol BatchDecodeWithPagedKVCacheKernel");
+# later FlashInfer releases pass this flag (their PR #1523).
 grep -q static-global-template-stub "$FI_SRC/flashinfer/jit/core.py" || \
   sed -i 's/"-std=c++17",/"-std=c++17", "-static-global-template-stub=false",/' \
     "$FI_SRC/flashinfer/jit/core.py"

@@ -1,6 +1,9 @@
-"""FlashInfer's paged decode kernel as a second `stock` baseline, per layer, beside ours (issue 6).
-Run 7 (NOTES.md): FlashInfer 0.2.5 builds from its source release on the device
-(`benchmarks/flashinfer_device.sh`) and agrees with our kernel to 5e-4.
+"""FlashInfer against our kernels per layer: its paged decode as a second stock, or --doc-product.
+
+Without --doc-product: FlashInfer's paged decode kernel as a second `stock` baseline beside ours.
+
+Results: RESULTS.md, "FlashInfer's paged decode per layer" (FlashInfer 0.2.5, built from its
+source release on the device by `benchmarks/flashinfer_device.sh`, agrees with ours to 5e-4).
 
 The device machine reaches no network, so FlashInfer travels as its source release (the 0.7.x
 wheel is 101 MB, over the 64 MiB a call may carry). Here:
@@ -11,7 +14,7 @@ a minute a module): `bash benchmarks/flashinfer_device.sh [--cells 16384x256]`.
 
 --doc-product (not yet run) times cascade's document part instead: our shared-prefix kernel
 against FlashInfer's single prefill on its FA2 and FA3 (sm_90a) backends, the measurement the
-step-floor target needs (NOTES.md run 7, "What is left").
+decode step's floor gap needs (NOTES.md).
 
 Cell: benchmarks/kernels.py's Grid (Q requests whose rows are [document][16-token question]
 [129 answer tokens]), our stock step through TritonBackend.forward (which first writes the new
@@ -72,7 +75,7 @@ def cell(model: str, doc_len: int, questions: int) -> list[dict]:
                "kernel": f"flashinfer{' tensor-core' if tensor_cores else ''}"}
         group = grid.num_heads // grid.num_kv_heads
         if not tensor_cores and group not in CUDA_CORE_GROUPS:
-            # run 7: plan() ended the process (no Python exception) on Qwen2.5's group of 7
+            # plan() ends the process (no Python exception) on an undispatched group size
             row["error"] = f"not supported: its CUDA-core decode dispatches group sizes " \
                            f"{CUDA_CORE_GROUPS}, this model's is {group}"
             rows.append(row)
@@ -93,8 +96,8 @@ def doc_product_cell(model: str, doc_len: int, questions: int) -> list[dict]:
     through our shared-prefix kernel (its planned splits and the merge) and through FlashInfer's
     single prefill (non-causal, lse returned) on its FlashAttention-2 and -3 (sm_90a, wgmma,
     warp-specialized) backends: what a FlashAttention-3-class kernel would take off the step
-    (NOTES.md run 7: ours is 4.95 ms of a 14.35 ms step, 1.77x its FLOP floor). CUDA graph
-    replays where they capture, else eager."""
+    (RESULTS.md, "The decode step": ours is 4.82 ms of the step, 1.7x its FLOP floor). CUDA
+    graph replays where they capture, else eager."""
     grid = Grid(MODELS[model], doc_len, questions, torch.Generator().manual_seed(0))
     backend, meta = grid.stock(cascade=True)
     plan, casc = backend.plan(meta), meta.cascade

@@ -1,8 +1,11 @@
-"""Host time of a decode step: cProfile of `Engine.answer` on a tiny model with many requests.
+"""Host time of a decode step, no GPU needed: the per-request cost behind host-bound cells.
+
+cProfile of `Engine.answer` on a tiny model with many requests, per mode (NOTES.md, the
+host-bound Qwen2.5-1.5B cell).
 
 The model is tiny so that the per-step Python work (scheduler step building, sampling
-parameters, postprocessing of sampled tokens) stands out; on a GPU this work runs in series
-with the device because the sampled tokens are read back every step.
+parameters, postprocessing of sampled tokens) stands out; on a GPU the engine builds step t+1
+while the device runs step t, so this work is hidden only while it is shorter than a step.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_step.py [--questions 256] [--tokens 32]
 """

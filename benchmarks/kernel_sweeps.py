@@ -27,23 +27,22 @@ from ppqa.kernels.merge import merge_partials
 # whole tiles with pointer loads rather than the default tensor descriptors (sm_90).
 PTR = {"tma": False}
 CONTIG_SWEEP = {
-    # run 5: TMA took the default (128, 64, 8, 3) from 0.168 to 0.152 ms (CodeLlama) and
-    # (64, 64, 4, 3) to 0.145 at 2 splits; here both, at the planned and 2 splits
+    # the default (128, 64, 8, 3) and (64, 64, 4, 3), at the planned and 2 splits, TMA against
+    # pointer loads (RESULTS.md, "TMA against pointer loads")
     "prefix": [(128, 64, 8, 3), (128, 64, 8, 3, PTR), (64, 64, 4, 3), (64, 64, 4, 4),
                (64, 32, 4, 3),
-               # run 8: the softmax step of runs 1-7 (_tile.softmax_update; "fold" is the
-               # default now), and longer key tiles
+               # the update softmax step (_tile.softmax_update) against the default "fold"
+               # (RESULTS.md, "Cascade's decode step"), and longer key tiles
                (128, 64, 8, 3, {"softmax": "update"}), (128, 128, 8, 2)],
     "extend": [(64, 64, 4, 3), (64, 64, 4, 3, PTR), (64, 32, 4, 3), (64, 32, 4, 3, PTR),
                (32, 64, 4, 3), (64, 64, 4, 4)],
-    # the stock decode (one query per question): run 4 found one warp x 32 keys x 3 stages best
-    # of 14 tiles (0.90 / 6.57 ms); run 5 found TMA faster (0.661 / 6.11) and nothing in the
-    # launch order (all KV heads of a request adjacent: 0.92 / 7.46); here tiles under TMA
+    # the stock decode (one query per question): one warp x 32 keys x 3 stages with TMA is the
+    # fastest measured (RESULTS.md, "TMA against pointer loads"); here tiles under TMA
     "decode": [(16, 32, 1, 3), (16, 32, 1, 3, PTR), (16, 16, 1, 4), (16, 64, 1, 3),
                (16, 32, 1, 4), (16, 64, 1, 2), (16, 32, 2, 3), (16, 64, 2, 3)],
     # parallel's question prefill (P streams x PREFILL_TOKENS new tokens a request, against the
-    # document): run 6 profiled 139 ms of extend kernel in the 8k/64 P=64 prefill, ~140 TFLOP/s
-    # on run 5's (64, 64, 8, 2); run 6's sweep moved it to the decode steps' (64, 64, 4, 3)
+    # document): (64, 64, 4, 3), the decode steps' tile, is the default (RESULTS.md,
+    # "Parallel's question prefill tile")
     "prefill": [(64, 64, 8, 2), (64, 64, 8, 2, PTR), (128, 64, 8, 3), (128, 64, 8, 2),
                 (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3)],
 }
@@ -187,8 +186,8 @@ CASCADE_VARIANTS = [
     ("64x64x4x3 ptr", (64, 64, 4, 3), False, True, None, -1, None),
     ("64x64x4x3 tma", (64, 64, 4, 3), True, True, None, -1, None),
     ("64x64x4x3 serial", (64, 64, 4, 3), None, False, None, -1, None),
-    # run 8: the folded softmax step (_tile.softmax_fold) against runs 1-7's. A lazy rescale
-    # swept in calls 1-2 was slower on every tile and order (0.22-0.28 ms CodeLlama) and is gone.
+    # the folded softmax step (_tile.softmax_fold, the default) against the update step
+    # (RESULTS.md, "Cascade's decode step")
     ("update", None, None, True, None, -1, "update"),
     ("128x64x8x3 tma update", (128, 64, 8, 3), True, True, None, -1, "update"),
     ("128x64x8x3 tma fold", (128, 64, 8, 3), True, True, None, -1, "fold"),

@@ -12,8 +12,9 @@ max(unique KV bytes / 4.3 TB/s, useful FLOPs / 790 TFLOP/s), the bytes the kerne
 (repeats counted: L2 may serve some) and the achieved rates. Writes JSON after every cell and
 prints a table last. Usage: python benchmarks/kernels.py [--out PATH] [--quick]
 
---sweep-prefix / --sweep-extend (instead of the grid): the contiguous-document variants over
-their tiles and split counts at 16k/256 (benchmarks/kernel_sweeps.py).
+--sweep-prefix / --sweep-extend / --sweep-decode / --sweep-prefill (instead of the grid): the
+contiguous-document variants over their tiles and split counts at 16k/256 or --cell; and
+--sweep-cascade: cascade's decode step over its variants (benchmarks/kernel_sweeps.py).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ppqa.engine.attention import CascadeMetadata, ForwardMetadata  # noqa: E402
-from ppqa.engine.triton_backend import TritonBackend  # noqa: E402
+from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata  # noqa: E402
+from ppqa.engine.attention.triton_backend import TritonBackend  # noqa: E402
 from ppqa.kernels._arch import Tiles  # noqa: E402
 from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
 from ppqa.kernels.decode_attention import decode_attention  # noqa: E402
@@ -114,7 +115,7 @@ class Grid:
             prefix_lens=torch.full((batch,), prefix, **i32), req_to_token=table,
             logit_indices=torch.arange(out_slots.numel(), device=DEV),
             max_extend_len=int(qo_indptr.diff().max()), max_prefix_len=prefix, cascade=cascade,
-            # The document is the slot run 1..L, as the engine's allocator lays it out; the
+            # The document fills slots 1..L in one piece, as the engine's allocator lays it out; the
             # engine passes these hints (--gather: without them, every slot through the table).
             doc_start=None if GATHER else torch.ones(batch, **i32),
             doc_len=None if GATHER else torch.full((batch,), self.doc_len, **i32))
@@ -152,7 +153,7 @@ class Grid:
     def run(self, backend, meta) -> tuple[float, torch.Tensor]:
         """(median ms, the output): every mode attends each question to the same keys.
         With GRAPHS the step is captured once and its replays are timed, as the engine's decode
-        steps will run (issue 6); eagerly, Python launch gaps count in short steps."""
+        steps run; eagerly, Python launch gaps count in short steps."""
         step = lambda: backend.forward(0, self.q, self.k_new, self.v_new, meta)  # noqa: E731
         out = step().float()
         if not GRAPHS:
@@ -297,7 +298,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
     parser.add_argument("--graphs", action="store_true",
-                        help="time CUDA graph replays of each mode's step (not yet run)")
+                        help="time CUDA graph replays of each mode's step")
     parser.add_argument("--gather", action="store_true",
                         help="pass no contiguous-document hints: every kernel gathers its slots")
     parser.add_argument("--sweep-prefix", action="store_true",

@@ -1,6 +1,6 @@
 """Where a decode step's time goes on a GPU: host phases, pure graph replay, and kernels.
 
-For each mode, on one engine and one seeded workload (`ppqa.bench.make_workload`):
+For each mode, on one engine and one seeded workload (`ppqa.bench.grid.make_workload`):
   1. an untimed run that caches the document and captures the CUDA graphs;
   2. a run with the engine's host phases wrapped in timers (step building, `prepare`, graph
      replay enqueue, the wait for a step's sampled tokens, postprocess);
@@ -23,13 +23,13 @@ from collections import defaultdict
 import torch
 
 from ppqa import Engine, QuestionRequest, SamplingParams
-from ppqa.bench import make_workload
+from ppqa.bench.grid import make_workload
 from ppqa.config import EngineConfig
 from ppqa.engine import engine as engine_module
-from ppqa.engine.graph_runner import GraphCache
-from ppqa.engine.runner import ModelRunner
-from ppqa.engine.scheduler import Scheduler
-from ppqa.engine.triton_backend import TritonBackend
+from ppqa.engine.runtime.graph_runner import GraphCache
+from ppqa.engine.runtime.runner import ModelRunner
+from ppqa.engine.runtime.scheduler import Scheduler
+from ppqa.engine.attention.triton_backend import TritonBackend
 
 HOST_PHASES = {
     Scheduler: ("decode_step", "postprocess", "prefill_step", "admit"),
@@ -219,7 +219,7 @@ def main() -> None:
                         help="cascade decode without the side stream (document part, then suffix)")
     parser.add_argument("--apart", action="store_true",
                         help="keep the questions' common opening per question "
-                             "(EngineConfig.share_question_prefix=False, runs 1-7's workload)")
+                             "(EngineConfig.share_question_prefix=False, the workload before 2026-12-01)")
     args = parser.parse_args()
     TritonBackend.overlap = not args.serial_cascade
 
