@@ -42,7 +42,13 @@ class Answer:
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_new_tokens)
     prompt_tokens: int  # document prefix + question suffix
     question_index: int = 0  # position in the question list of `Engine.answer`
-    latency_s: float = 0.0  # from the start of the run to this answer
+    latency_s: float = 0.0  # from the start of the session to this answer
+    mode: str = "stock"  # how it was decoded
+    streams: int = 1  # P of its request (1 for stock and cascade)
+    # Device seconds charged to this answer: its share of the prefill steps that held its
+    # document and question, and of the decode steps that fed it (see engine/session.py).
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.finish_reason not in ("stop", "length"):
@@ -62,6 +68,6 @@ class RunStats:
     steps: int = 0  # forward passes
     max_batch_requests: int = 0  # most requests decoded together in one step
     streams: int = 1  # P (1 for stock and cascade)
-    mode: str = "stock"  # the resolved mode
+    mode: str = "stock"  # the resolved mode ("mixed" when document groups differ)
     peak_memory_bytes: int = 0  # GPU only
     stopped: bool = False  # should_stop() ended the run early

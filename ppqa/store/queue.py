@@ -176,6 +176,27 @@ def record_answer(db: Database, question_id: int, text: str, token_count: int,
         raise StoreError(f"no question {question_id}") from None
 
 
+def record_answers(db: Database, rows: list[tuple[int, str, int, str, float | None]], *,
+                   worker_id: str | None = None) -> None:
+    """Store many answers (question id, text, tokens, finish reason, total seconds) in one
+    transaction; a question that already has an answer keeps its first one (then each row is
+    written on its own, as `record_answer` does)."""
+    for _, _, tokens, reason, _ in rows:
+        if not reason or len(reason) > 32 or tokens < 0:
+            raise ValueError(f"bad answer row: {tokens} tokens, finish_reason {reason!r}")
+    try:
+        with db.write() as conn:
+            now = db.now(conn)
+            conn.execute(insert(Answer), [
+                {"question_id": qid, "text": text, "token_count": tokens, "finish_reason": reason,
+                 "total_seconds": seconds, "worker": worker_id, "created_at": now}
+                for qid, text, tokens, reason, seconds in rows])
+    except IntegrityError:
+        for qid, text, tokens, reason, seconds in rows:
+            record_answer(db, qid, text, tokens, reason, total_seconds=seconds,
+                          worker_id=worker_id)
+
+
 def _status(conn, job_id: int) -> str:
     status = conn.execute(select(Job.status).where(Job.id == job_id)).scalar_one_or_none()
     if status is None:

@@ -78,9 +78,8 @@ def load_template(template: str) -> Any:
 
 def render_block(tmpl: Any, block: str, context: Mapping[str, Any]) -> str:
     """Render one block of a compiled template with `context`."""
-    import jinja2
-
     try:
         return "".join(tmpl.blocks[block](tmpl.new_context(dict(context))))
-    except jinja2.TemplateError as e:
-        raise ValueError(f"template block {block!r} failed to render: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a user's template can fail in any way (e.g. include)
+        raise ValueError(f"template block {block!r} failed to render: "
+                         f"{type(e).__name__}: {e}") from e

@@ -1,6 +1,6 @@
 """Keeps a worker's leases alive while the model works: a heartbeat thread.
 
-The main thread is busy inside `Engine.run` for as long as a cycle lasts, so a small daemon
+The main thread is busy stepping the engine session, so a small daemon
 thread calls `queue.heartbeat` every third of the lease, in its own short transaction (the
 store's connection pool gives it its own connection). Jobs the store says this worker no longer
 owns (cancelled, or taken over after the lease expired while this process was frozen) are
@@ -36,6 +36,10 @@ class LeaseKeeper:
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
+
+    def add(self, job_ids: list[int]) -> None:
+        """Start renewing these leases too (jobs just claimed)."""
+        self.job_ids = self.job_ids + [j for j in job_ids if j not in self.job_ids]
 
     def forget(self, job_ids: list[int]) -> None:
         """Stop renewing these leases (the jobs are being finished, failed or released)."""

@@ -1,21 +1,30 @@
-"""The worker behind `ppqa run`: claims queued jobs, answers them with the Engine, writes results.
+"""The worker behind `ppqa run`: keeps one engine session full from the queue, writes results.
 
-One cycle: `claim_jobs` (a short write transaction: every claimable job of one document, leased
-to this worker; repeated for more documents while the batch has room) -> one `QuestionRequest`
-per unanswered question -> `Engine.run`, whose `on_answer` writes each answer the moment it is
-done through `record_answer` (its own short transaction: nothing is held open while the model
-runs) -> per job, `finish_job` with a speed report when all its questions are answered,
-`fail_job` when the engine rejected it (e.g. a document too long for the model), or
-`release_jobs` when a stop cut it short. A `LeaseKeeper` thread heartbeats the leases meanwhile.
+The loop, between engine steps (the step in flight runs on the GPU meanwhile):
+  - claim when the session has room (jobs and questions in flight below the limits, a short
+    backlog of requests waiting for KV): `claim_jobs` is a short write transaction that leases
+    every claimable job of one document; each job's unanswered questions go to the session
+    (`EngineSession.submit`) with the job's mode, and its lease to the `LeaseKeeper`;
+  - step the session once: admission, chunked prefill, one decode step per kind of request;
+  - write the answers that step finished (`record_answers`, one short transaction) and settle
+    each job whose questions are all answered or rejected: `finish_job` with its own speed
+    report, or `fail_job` with the reason (a document too long for the model fails that job
+    alone, without a retry);
+  - jobs whose lease the heartbeat found lost (cancelled, or taken over) leave the session at
+    once (`EngineSession.cancel`).
+So a job ingested while others decode starts at the next claim, not after the others end.
 
 The worker knows nothing of terminals: it tells a `ProgressSink` what happens (the CLI renders
 that with Rich or log lines) and returns a `WorkerSummary`. `request_stop()` (the CLI calls it
-on SIGINT/SIGTERM) stops admitting work; the engine drops what is in flight, and the cycle
-settles as above, so a stopped worker leaves no job running.
+on SIGINT/SIGTERM) stops admitting work; the session drops what is in flight, finished jobs are
+settled and unfinished ones released, so a stopped worker leaves no job running. If the engine
+itself fails (e.g. out of memory), every job in flight is failed for a retry, the session starts
+afresh, and the in-flight limits halve; they grow back as jobs finish.
 """
 
 from __future__ import annotations
 
+import queue as threadsafe
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,8 +39,8 @@ from ppqa.worker.lease import LeaseKeeper
 from ppqa.worker.report import JobOutcome, JobRun, ProgressSink, WorkerSummary, job_report
 from ppqa.worker.setup import default_worker_id
 
-# An engine that raises on this many cycles in a row is broken, not unlucky: stop the worker
-# rather than burn through the queue failing every job. Each failure halves the next batch first.
+# An engine that fails this many times in a row is broken, not unlucky: stop the worker rather
+# than burn through the queue failing every job. Each failure halves the in-flight limits first.
 MAX_ENGINE_CRASHES = 3
 
 
@@ -39,14 +48,14 @@ MAX_ENGINE_CRASHES = 3
 class WorkerOptions:
     model: str = "smollm2"
     device: str = "cpu"
-    mode: str = "auto"  # "auto": each job's own mode when the batch agrees, else the engine's pick
+    mode: str = "auto"  # "auto": each job's own mode (auto there: the cost model per document)
     streams: int | str | None = None  # P, "auto" (the cost model's P) or None (engine default)
-    max_jobs: int = 16  # jobs per cycle (over one or more documents)
-    max_questions: int = 512  # unanswered questions per cycle (the first job is taken whole)
+    max_jobs: int = 32  # jobs in flight at once (over one or more documents)
+    max_questions: int = 1024  # unanswered questions in flight (a job is always taken whole)
     follow: bool = False  # keep waiting for new jobs instead of exiting when the queue is empty
     lease_seconds: float = 60.0
     max_attempts: int = 3
-    poll_seconds: float = 2.0  # --follow: how often an idle worker looks for new jobs
+    poll_seconds: float = 2.0  # how often a worker with room looks for new jobs when none came
     worker_id: str = field(default_factory=default_worker_id)
 
     def __post_init__(self) -> None:
@@ -73,9 +82,15 @@ class Worker:
         self.stop_reason: str | None = None
         self.summary = WorkerSummary(worker_id=options.worker_id, model=options.model,
                                      device=options.device)
-        # Batch limits of the next cycle: halved after an engine failure (e.g. out of memory),
-        # grown back to the options' after each cycle that goes well.
+        # In-flight limits: halved after an engine failure (e.g. out of memory), grown back to
+        # the options' as jobs finish.
         self.max_jobs, self.max_questions = options.max_jobs, options.max_questions
+        self._runs: dict[int, JobRun] = {}
+        self._answers: list[tuple[JobRun, int, object]] = []  # finished, not yet written
+        self._lost: threadsafe.SimpleQueue[list[int]] = threadsafe.SimpleQueue()
+        self._session = None
+        self._leases: LeaseKeeper | None = None
+        self._next_claim = 0.0  # perf_counter time before which a worker with work skips claims
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop admitting work; safe from a signal handler or another thread."""
@@ -87,180 +102,233 @@ class Worker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    # ---- the loop ----------------------------------------------------------------------------
+
     def run(self) -> WorkerSummary:
         """Drain the queue (or, with `follow`, keep serving it) until stopped; see module doc."""
         started = time.perf_counter()
         crashes = 0
         self.progress.started(self.options)
+        self._leases = LeaseKeeper(self.db, self.options.worker_id, [], self.options.lease_seconds,
+                                   on_lost=self._lost.put, on_problem=self.progress.message)
         try:
-            while not self.stopping:
-                try:
-                    claims = self._claim()
-                except (SQLAlchemyError, StoreError) as exc:
-                    if not self.options.follow:
-                        raise
-                    # A long-running worker rides out a database restart or a network blip.
-                    self.progress.message(f"cannot claim jobs, retrying: {exc}")
-                    self._stop.wait(self.options.poll_seconds)
-                    continue
-                if not claims:
+            with self._leases:
+                self._session = self._new_session()
+                while not self.stopping:
+                    self._drop_lost()
+                    claimed = self._claim_if_room()
+                    if self._session.has_work():
+                        try:
+                            self._session.step()
+                        except Exception as exc:  # noqa: BLE001 - fail the batch, then decide
+                            crashes += 1
+                            self._crash(exc)
+                            if crashes >= MAX_ENGINE_CRASHES:
+                                raise WorkerError(f"the engine failed {crashes} times in a row; "
+                                                  f"last error: {self.summary.last_error}") from None
+                            continue
+                        if self._write_and_settle():
+                            crashes = 0
+                        continue
+                    self._write_and_settle()
+                    if claimed or self._runs:
+                        continue
                     if not self.options.follow:
                         break
                     self.progress.waiting()
                     self._stop.wait(self.options.poll_seconds)
-                    continue
-                crashed = self._run_cycle(claims)
-                crashes = crashes + 1 if crashed else 0
-                self._resize(smaller=crashed)
-                if crashes >= MAX_ENGINE_CRASHES:
-                    raise WorkerError(f"the engine failed {crashes} times in a row; "
-                                      f"last error: {self.summary.last_error}")
+                self._wind_down()
         finally:
             self.summary.wall_seconds = time.perf_counter() - started
             self.summary.stopped_by = self.stop_reason
             self.progress.finished(self.summary)
         return self.summary
 
-    def _resize(self, smaller: bool) -> None:
-        opts = self.options
-        if smaller:
-            self.max_jobs = max(1, self.max_jobs // 2)
-            self.max_questions = max(1, self.max_questions // 2)
-        else:
-            self.max_jobs = min(opts.max_jobs, self.max_jobs * 2)
-            self.max_questions = min(opts.max_questions, self.max_questions * 2)
+    def _new_session(self):
+        return self.engine.session(on_answer=self._on_answer, on_error=self._on_error)
 
-    def _claim(self) -> list[ClaimedJob]:
-        """Jobs of one document, then more documents while the cycle has room."""
-        opts, claims, questions = self.options, [], 0
-        while not self.stopping and len(claims) < self.max_jobs and questions < self.max_questions:
+    def _on_answer(self, req, answer) -> None:
+        run = self._runs.get(req.key[0])
+        if run is not None:
+            self._answers.append((run, req.key[1], answer))
+
+    def _on_error(self, req, exc) -> None:
+        run = self._runs.get(req.key[0])
+        if run is None:
+            return
+        # The session rejects a question for its own inputs (a prompt that cannot fit, a
+        # template that fails to render): the same inputs fail the same way on a retry.
+        run.reject(req.key[1], str(exc) or type(exc).__name__, permanent=True)
+
+    # ---- claiming ----------------------------------------------------------------------------
+
+    def _has_room(self) -> bool:
+        outstanding = sum(len(r.outstanding) for r in self._runs.values())
+        backlog = self._session.queued_requests < self.engine.config.max_batch_requests
+        return len(self._runs) < self.max_jobs and outstanding < self.max_questions and backlog
+
+    def _claim_if_room(self) -> bool:
+        """Claim jobs (one document at a time) while the session has room; True if any came.
+        A worker with work in flight asks again only after `poll_seconds` when none came."""
+        busy = bool(self._runs)
+        if self.stopping or not self._has_room() or (busy and time.perf_counter() < self._next_claim):
+            return False
+        opts, got_any = self.options, False
+        while not self.stopping and self._has_room():
+            outstanding = sum(len(r.outstanding) for r in self._runs.values())
             try:
-                got = queue.claim_jobs(
+                claims = queue.claim_jobs(
                     self.db, opts.worker_id, opts.lease_seconds,
-                    max_jobs=self.max_jobs - len(claims),
-                    max_questions=self.max_questions - questions,
+                    max_jobs=self.max_jobs - len(self._runs),
+                    max_questions=max(1, self.max_questions - outstanding),
                     max_attempts=opts.max_attempts, model=opts.model)
-            except (SQLAlchemyError, StoreError):
-                if not claims:
+            except (SQLAlchemyError, StoreError) as exc:
+                if not busy and not got_any and not opts.follow:
                     raise
-                break  # work on what is already claimed rather than strand it
-            if not got:
+                # A worker with work, or a long-running one, rides out a database blip.
+                self.progress.message(f"cannot claim jobs, retrying: {exc}")
+                claims = []
+            if not claims:
+                self._next_claim = time.perf_counter() + opts.poll_seconds
                 break
-            claims += got
-            questions += sum(len(c.questions) for c in got)
-        if claims:
-            self.progress.claimed(claims)
-        return claims
+            self._start(claims)
+            got_any = True
+        return got_any
 
-    def _run_cycle(self, claims: list[ClaimedJob]) -> bool:
-        """Answer the claimed jobs and settle each one; True if the engine itself crashed."""
+    def _start(self, claims: list[ClaimedJob]) -> None:
+        """Hand claimed jobs to the session: the jobs of one mode in one submit, so that the
+        questions of several jobs about one document form one group."""
         from ppqa.engine.outputs import QuestionRequest
 
-        runs = {c.job_id: JobRun(c) for c in claims}
-        requests = [QuestionRequest(key=(c.job_id, q.id), document=c.document_text,
-                                    question=q.text, sampling=_sampling(c),
-                                    template=c.params.template)
-                    for c in claims for q in c.questions]
-        cycle_start = time.perf_counter()
-
-        def on_answer(req, answer) -> None:
-            run = runs[req.key[0]]
-            tokens = len(answer.token_ids)
+        self.progress.claimed(claims)
+        by_mode: dict[str, list] = {}
+        for claim in claims:
+            run = self._runs[claim.job_id] = JobRun(claim, started_at=time.perf_counter())
+            self._leases.add([claim.job_id])
             try:
-                queue.record_answer(self.db, req.key[1], answer.text, tokens,
-                                    answer.finish_reason, total_seconds=answer.latency_s,
-                                    worker_id=self.options.worker_id)
-            except Exception as exc:  # noqa: BLE001 - kept to retry at settle time
-                run.unsaved.append((req.key[1], answer, exc))
-                self.progress.message(f"job {run.claim.job_id}: answer not saved yet ({exc})")
-                return
-            run.add_answer(req.key[1], tokens, answer.prompt_tokens, time.perf_counter())
-            self.progress.answered(run.claim, tokens)
-
-        def on_error(req, exc) -> None:
-            run = runs[req.key[0]]
-            if run.error is None:  # the first reason is the one worth showing
-                run.error = str(exc) or type(exc).__name__
-                run.permanent = isinstance(exc, ValueError)  # e.g. a prompt that cannot fit
-
-        stats, crash, mode = None, None, self._mode(claims)
-        with LeaseKeeper(self.db, self.options.worker_id, list(runs),
-                         self.options.lease_seconds, on_lost=lambda ids: self._lost(runs, ids),
-                         on_problem=self.progress.message) as leases:
+                sampling = _sampling(claim)
+            except Exception as exc:  # noqa: BLE001 - one job's bad parameters fail it alone
+                for q in claim.questions:
+                    run.reject(q.id, f"{type(exc).__name__}: {exc}", permanent=True)
+                continue
+            mode = self.options.mode if self.options.mode != "auto" else claim.params.mode
+            by_mode.setdefault(mode, []).extend(
+                QuestionRequest(key=(claim.job_id, q.id), document=claim.document_text,
+                                question=q.text, sampling=sampling, template=claim.params.template)
+                for q in claim.questions)
+        for mode, requests in by_mode.items():
             try:
-                stats = self.engine.run(requests, mode=mode,
-                                        streams=self.options.streams, on_answer=on_answer,
-                                        on_error=on_error, should_stop=self._stop.is_set)
-            except Exception as exc:  # noqa: BLE001 - settle what we have, then decide
-                crash = f"engine error: {type(exc).__name__}: {exc}"
-                self.summary.last_error = crash
-            self._settle(list(runs.values()), stats, cycle_start, crash, mode, leases)
-        return crash is not None
+                self._session.submit(requests, mode=mode, streams=self.options.streams)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unknown mode stored by hand
+                for req in requests:
+                    self._on_error(req, exc)
 
-    def _mode(self, claims: list[ClaimedJob]) -> str:
-        if self.options.mode != "auto":
-            return self.options.mode
-        modes = {c.params.mode for c in claims}
-        return modes.pop() if len(modes) == 1 else "auto"
-
-    def _lost(self, runs: dict[int, JobRun], job_ids: list[int]) -> None:
-        """Jobs cancelled or taken over: their answers still count, but they are not ours to end."""
-        for job_id in job_ids:
-            if job_id in runs and not runs[job_id].lost:
-                runs[job_id].lost = True
+    def _drop_lost(self) -> None:
+        """Jobs cancelled or taken over: out of the session at once; answers saved so far count,
+        but they are not ours to end."""
+        lost: set[int] = set()
+        while not self._lost.empty():
+            lost.update(self._lost.get())
+        lost &= set(self._runs)
+        if not lost:
+            return
+        self._session.cancel(lambda req: req.key[0] in lost)
+        for job_id in sorted(lost):
+            if not self._runs[job_id].lost:
+                self._runs[job_id].lost = True
                 self.progress.message(f"job {job_id}: lease lost (cancelled or taken over)")
 
-    def _settle(self, runs: list[JobRun], stats, cycle_start: float, crash: str | None,
-                mode: str, leases: LeaseKeeper) -> None:
-        """End every job of the cycle: finished, failed, retried or released (see module doc).
-        Each lease stays renewed until its job is ended, so none expires while others settle."""
-        for run in runs:
-            run.save_unsaved(self.db, self.options.worker_id)
-        to_release = []
-        for run in runs:
-            if not run.lost and not run.complete and run.error is None and crash is None \
-                    and self.stopping:
-                to_release.append(run)  # a stop cut it short: give it back at once
-                continue
-            leases.forget([run.claim.job_id])
-            self._record(run, lambda: self._end(run, runs, stats, cycle_start, crash, mode))
-        ids = [r.claim.job_id for r in to_release]
-        leases.forget(ids)
-        released: set[int] = set()
-        self._record(None, lambda: released.update(
-            queue.release_jobs(self.db, self.options.worker_id, ids)))
-        for run in to_release:  # a release is not an attempt; one not ours any more was "lost"
-            self._record(run, lambda: JobOutcome.of(
-                run, "released" if run.claim.job_id in released else "lost"))
+    # ---- writing and settling ----------------------------------------------------------------
 
-    def _end(self, run: JobRun, runs: list[JobRun], stats, cycle_start: float,
-             crash: str | None, mode: str) -> JobOutcome:
+    def _write_and_settle(self) -> bool:
+        """Write the finished answers in one transaction and end every job that is complete;
+        True if a job finished well."""
+        if self._answers:
+            batch, self._answers = self._answers, []
+            rows = [(qid, a.text, len(a.token_ids), a.finish_reason, a.latency_s)
+                    for _, qid, a in batch]
+            try:
+                queue.record_answers(self.db, rows, worker_id=self.options.worker_id)
+                saved = True
+            except Exception as exc:  # noqa: BLE001 - each answer gets a second try at settling
+                saved = False
+                self.progress.message(f"answers not saved yet ({exc})")
+            now = time.perf_counter()
+            for run, qid, answer in batch:
+                if saved:
+                    run.add_answer(qid, answer, now)
+                    self.progress.answered(run.claim, len(answer.token_ids))
+                else:
+                    run.unsaved.append((qid, answer, None))
+                    run.outstanding.discard(qid)
+        finished_well = False
+        for run in [r for r in self._runs.values() if r.settleable]:
+            outcome = self._settle(run)
+            finished_well |= outcome is not None and outcome.status == "done"
+        if finished_well:
+            self.max_jobs = min(self.options.max_jobs, self.max_jobs * 2)
+            self.max_questions = min(self.options.max_questions, self.max_questions * 2)
+        return finished_well
+
+    def _settle(self, run: JobRun, *, released_ok: bool = False) -> JobOutcome | None:
+        """End one job: finished, failed (retried or not), released or lost."""
+        del self._runs[run.claim.job_id]
+        self._leases.forget([run.claim.job_id])
+        run.save_unsaved(self.db, self.options.worker_id)
+        return self._record(run, lambda: self._end(run, released_ok))
+
+    def _end(self, run: JobRun, release: bool) -> JobOutcome:
         opts, job_id = self.options, run.claim.job_id
         if run.lost:
             return JobOutcome.of(run, "lost")
         if run.complete and run.error is None:
-            report = job_report(run, runs, stats, cycle_start, opts, mode)
+            report = job_report(run, opts, self.engine.peak_memory_bytes,
+                                self._session.stats.max_batch_requests)
             status = queue.finish_job(self.db, job_id, opts.worker_id, report)
             return JobOutcome.of(run, status, report=report)
-        error = run.error or crash or (
-            f"the engine returned without answering {len(run.pending)} question(s)")
+        if release and run.error is None:
+            released = queue.release_jobs(self.db, opts.worker_id, [job_id])
+            return JobOutcome.of(run, "released" if job_id in released else "lost")
+        error = run.error or f"the engine returned without answering {len(run.pending)} question(s)"
         status = queue.fail_job(self.db, job_id, opts.worker_id, error, opts.max_attempts,
                                 retry=not run.permanent)
         return JobOutcome.of(run, status, error=error)
 
-    def _record(self, run: JobRun | None, end) -> None:
+    def _record(self, run: JobRun, end) -> JobOutcome | None:
         """Run one settling step; a database that fails now must not lose the other jobs'
         outcomes: the job keeps its lease until it expires, and the next claim closes it."""
         try:
             outcome = end()
         except (SQLAlchemyError, StoreError) as exc:
-            what = f"job {run.claim.job_id}" if run else "releasing jobs"
-            self.progress.message(f"{what}: could not update the store ({exc}); its lease "
-                                  "will expire and another worker will take it over")
-            return
-        if isinstance(outcome, JobOutcome):
-            self.summary.add(outcome)
-            self.progress.settled(outcome)
+            self.progress.message(f"job {run.claim.job_id}: could not update the store ({exc}); "
+                                  "its lease will expire and another worker will take it over")
+            return None
+        self.summary.add(outcome)
+        self.progress.settled(outcome)
+        return outcome
+
+    def _crash(self, exc: Exception) -> None:
+        """The engine failed: every job in flight fails for a retry, and a new session starts
+        with halved limits."""
+        crash = f"engine error: {type(exc).__name__}: {exc}"
+        self.summary.last_error = crash
+        self._session.close()
+        self._answers.clear()
+        for run in list(self._runs.values()):
+            if run.error is None:
+                run.error = crash
+            self._settle(run)
+        self.max_jobs = max(1, self.max_jobs // 2)
+        self.max_questions = max(1, self.max_questions // 2)
+        self._session = self._new_session()
+
+    def _wind_down(self) -> None:
+        """After a stop or the end of the queue: what finished is written and settled, the
+        rest released (a release is not an attempt)."""
+        self._session.close()
+        self._write_and_settle()
+        for run in list(self._runs.values()):
+            self._settle(run, released_ok=True)
 
 
 def _sampling(claim: ClaimedJob):

@@ -1,7 +1,7 @@
 """The worker's bookkeeping: per-job progress in a cycle, speed reports, outcomes and the summary.
 
-`JobRun` follows one claimed job through a cycle (answers saved, tokens, errors, a lost lease);
-`job_report` turns it and the engine's `RunStats` into the `JobReport` stored by `finish_job`;
+`JobRun` follows one claimed job from its claim (answers saved, tokens, device time, errors, a
+lost lease); `job_report` turns it into the `JobReport` stored by `finish_job`;
 `JobOutcome` is how each job ended, collected into the `WorkerSummary` that `ppqa run --json`
 prints. `ProgressSink` is what the worker tells whoever watches it (the base ignores it all).
 No torch, no terminal here.
@@ -21,10 +21,16 @@ from ppqa.store.reports import JobReport
 @dataclass
 class JobRun:
     claim: ClaimedJob
+    started_at: float = 0.0  # perf_counter time of the claim
     pending: set[int] = field(default_factory=set)  # question ids without a saved answer
+    outstanding: set[int] = field(default_factory=set)  # neither answered nor rejected yet
     answered: int = 0
     prompt_tokens: int = 0  # as the engine counts them per question (document + question)
     answer_tokens: int = 0
+    prefill_seconds: float = 0.0  # the engine's device time charged to this job's answers
+    decode_seconds: float = 0.0
+    modes: set[str] = field(default_factory=set)
+    streams: int = 0
     last_answer_at: float | None = None
     error: str | None = None
     permanent: bool = False  # retrying cannot help (the prompt does not fit the model)
@@ -33,17 +39,34 @@ class JobRun:
 
     def __post_init__(self) -> None:
         self.pending = {q.id for q in self.claim.questions}
+        self.outstanding = set(self.pending)
 
     @property
     def complete(self) -> bool:
         return not self.pending
 
-    def add_answer(self, question_id: int, tokens: int, prompt_tokens: int, at: float) -> None:
+    @property
+    def settleable(self) -> bool:
+        """Nothing of it is left in the engine: every question answered or rejected, or lost."""
+        return self.lost or not self.outstanding
+
+    def reject(self, question_id: int, error: str, *, permanent: bool) -> None:
+        """The engine will not answer this question; the first reason is the one shown."""
+        self.outstanding.discard(question_id)
+        if self.error is None:
+            self.error, self.permanent = error, permanent
+
+    def add_answer(self, question_id: int, answer, at: float) -> None:
+        self.outstanding.discard(question_id)
         if question_id in self.pending:
             self.pending.discard(question_id)
             self.answered += 1
-            self.answer_tokens += tokens
-            self.prompt_tokens += prompt_tokens
+            self.answer_tokens += len(answer.token_ids)
+            self.prompt_tokens += answer.prompt_tokens
+            self.prefill_seconds += getattr(answer, "prefill_s", 0.0)
+            self.decode_seconds += getattr(answer, "decode_s", 0.0)
+            self.modes.add(getattr(answer, "mode", None) or "stock")
+            self.streams = max(self.streams, getattr(answer, "streams", 1))
             self.last_answer_at = at
 
     def save_unsaved(self, db: Database, worker_id: str) -> None:
@@ -57,35 +80,28 @@ class JobRun:
             except Exception as exc:  # noqa: BLE001 - the job is then released, not finished
                 still.append((question_id, answer, exc))
                 continue
-            self.add_answer(question_id, tokens, answer.prompt_tokens, time.perf_counter())
+            self.add_answer(question_id, answer, time.perf_counter())
         self.unsaved = still
         if still and self.error is None:
             self.error = f"{len(still)} answer(s) could not be saved: {still[-1][2]}"
 
 
-def job_report(run: JobRun, cycle: list[JobRun], stats, cycle_start: float, options,
-               mode: str) -> JobReport:
-    """The speed report of one job's run. Wall time is the job's own (cycle start to its last
-    answer); prefill/decode seconds of a batch shared by several jobs are split between them by
-    their share of prompt and answer tokens, so the rows of a cycle add up. Prompt tokens count
-    document + question per question, as the engine's `Answer.prompt_tokens` does."""
+def job_report(run: JobRun, options, peak_memory_bytes: int = 0,
+               batch_size: int | None = None) -> JobReport:
+    """The speed report of one job: wall time from its claim to its last answer; prefill and
+    decode seconds are the engine's device time charged to this job's own answers (a step
+    shared by several jobs is split between them), so the rows of one run add up. Prompt
+    tokens count document + question per question, as the engine's `Answer.prompt_tokens`."""
     end = run.last_answer_at or time.perf_counter()
-    wall = max(end - cycle_start, 1e-9)
-    prefill, decode = None, None
-    if stats is not None:
-        prompt_share = _share(run.prompt_tokens, sum(r.prompt_tokens for r in cycle))
-        answer_share = _share(run.answer_tokens, sum(r.answer_tokens for r in cycle))
-        prefill = stats.prefill_s * prompt_share
-        decode = stats.decode_s * answer_share
+    wall = max(end - run.started_at, 1e-9)
+    mode = run.modes.pop() if len(run.modes) == 1 else ("mixed" if run.modes else options.mode)
     return JobReport(
-        device=options.device, model=options.model,
-        mode=getattr(stats, "mode", None) or mode,
+        device=options.device, model=options.model, mode=mode,
         wall_seconds=wall, questions=run.answered, prompt_tokens=run.prompt_tokens,
-        answer_tokens=run.answer_tokens,
-        streams=getattr(stats, "streams", None) or None,
-        batch_size=getattr(stats, "max_batch_requests", None) or None,
-        prefill_seconds=prefill, decode_seconds=decode,
-        peak_memory_bytes=getattr(stats, "peak_memory_bytes", None) or None)  # 0: not measured (CPU)
+        answer_tokens=run.answer_tokens, streams=run.streams or None,
+        batch_size=batch_size or None, prefill_seconds=run.prefill_seconds,
+        decode_seconds=run.decode_seconds,
+        peak_memory_bytes=peak_memory_bytes or None)  # 0: not measured (CPU)
 
 
 def _share(part: float, whole: float) -> float:

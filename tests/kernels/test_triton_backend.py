@@ -40,3 +40,34 @@ def test_every_mode_on_triton_matches_torch_stock(model):
     assert len({tuple(t) for t in expected}) > 1  # the questions lead to different answers
     for mode in ("stock", "parallel", "cascade"):
         assert tokens("triton", mode) == expected, f"mode {mode} on the Triton backend"
+
+
+def test_stock_and_cascade_in_one_step_on_triton_match_torch_stock():
+    """A session step holding cascade requests (grouped by document) and stock requests (whole
+    rows, document hints) together, on the Triton kernels."""
+    from ppqa import QuestionRequest
+
+    device = "cuda" if ON_GPU else "cpu"
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    docs = [DOCUMENT * REPEAT, "A second, shorter text about boats. " * REPEAT]
+    requests = ([QuestionRequest(("c", i), docs[0], q, sampling) for i, q in enumerate(QUESTIONS[:2])]
+                + [QuestionRequest(("s", i), docs[1], q, sampling) for i, q in enumerate(QUESTIONS[2:4])])
+    engines = {backend: Engine("dummy:tiny-gqa", device=device, dtype="float32",
+                               config=EngineConfig(attention_backend=backend,
+                                                   kv_token_budget=8192, mem_fraction=0.05))
+               for backend in ("torch", "triton")}
+    expected: dict = {}
+    engines["torch"].run(requests, mode="stock", on_answer=lambda r, a: expected.__setitem__(r.key, a))
+
+    got: dict = {}
+    session = engines["triton"].session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(requests[:2], mode="cascade")
+    session.submit(requests[2:], mode="stock")
+    mixed = False
+    while session.has_work():
+        running = session.sched.running
+        mixed |= {r.mode for r in running} == {"cascade", "stock"}
+        session.step()
+    session.close()
+    assert mixed
+    assert {k: a.token_ids for k, a in got.items()} == {k: a.token_ids for k, a in expected.items()}

@@ -83,8 +83,10 @@ class TritonBackend:
                                           meta.num_tokens, *heads, meta.max_extend_len,
                                           meta.max_prefix_len, self.scratch))
         # A decode row ends at prefix_len + 1; for cascade that bounds the suffix as well.
+        # A cascade step with stock requests in it (document hints present) has whole rows too.
+        whole = meta.cascade is None or meta.doc_start is not None
         splits = decode_splits(self.device, meta.batch_size, *heads, meta.max_prefix_len + 1,
-                               self.scratch, whole_rows=meta.cascade is None)
+                               self.scratch, whole_rows=whole)
         if meta.cascade is None:
             return StepPlan(splits)
         casc = meta.cascade
@@ -172,9 +174,11 @@ class TritonBackend:
                                  self.sm_scale, plan.prefix_splits, part_o, part_lse,
                                  state_offset=plan.splits, doc_starts=self._doc_starts(casc),
                                  tma=beside if side is not None else None)
+        # Stock requests in a cascade step read their rows whole, with their documents' hints.
         launch_decode(q, k_buf, v_buf, meta.req_to_token, meta.req_indices, meta.kv_start,
                       meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,
-                      part_lse=part_lse, seq_len_offset=1)
+                      part_lse=part_lse, seq_len_offset=1, doc_start=meta.doc_start,
+                      doc_len=meta.doc_len)
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
         merge_partials(part_o, part_lse, o)

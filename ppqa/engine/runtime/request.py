@@ -36,6 +36,11 @@ class Stream:
     finish_reason: str | None = None
     text: str | None = None  # set when finished
     finished_at: float = 0.0
+    cancelled: bool = False  # dropped by the caller: no answer, its place freed
+    # Seconds of device work attributed to this stream: its share of the prefill steps that
+    # held its document and question, and of the decode steps that fed it.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def is_finished(self) -> bool:
@@ -52,6 +57,7 @@ class Request:
     slots: torch.Tensor | None = None  # reserved for questions + answers, after the document
     prefix_len: int = 0  # row tokens cached so far
     doc_key: bytes = b""  # document_key(doc_ids); computed here unless the caller shares one
+    mode: str = "stock"  # how it decodes: "stock" | "cascade" (width 1) | "parallel" (width P)
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.streams) <= self.width:
@@ -102,7 +108,12 @@ class Request:
         n = len(self.streams)
         self.prefix_len = self.doc_len + sum(self.question_lens)
         self.next_pos[:n] = [self.doc_len + q for q in self.question_lens]
-        self.live[:n] = True
+        self.live[:n] = [not s.cancelled for s in self.streams]
+
+    def cancel(self, s: int) -> None:
+        """Drop stream s: it gets no answer and no further tokens."""
+        self.streams[s].cancelled = True
+        self.live[s] = False
 
     def accept(self, s: int, token: int, eos_ids: Sequence[int],
                decode: Callable[[list[int]], str], now: float) -> bool:

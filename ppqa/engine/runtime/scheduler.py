@@ -1,21 +1,28 @@
-"""Which requests run this step: admission by free KV, continuous batching, step building.
+"""Which requests run this step: admission by free KV, chunked prefill, continuous batching.
 
-Requests wait in arrival order (the engine queues each document's requests together). `admit`
-takes requests from the head of the queue while a req_to_token row is free and the pool can hold
-the request's document (cached, or newly allocated, evicting unused documents) plus its reservation
+Requests wait in arrival order (callers submit each document's requests together). `admit` takes
+requests from the head of the queue while a req_to_token row is free and the pool can hold the
+request's document (cached, or newly allocated, evicting unused documents) plus its reservation
 (every question and its whole answer budget, so a running request never runs out of KV).
-Admitted requests get their questions prefilled in one packed extend; afterwards every running
-request decodes each step (`decode_step`): stock/cascade requests one token ("decode" kind),
-parallel requests P tokens ("extend" kind, shape (B, P)). A request leaves as soon as all its
-streams are finished, freeing its slots and row, and waiting requests take its place.
+Admitted requests wait in `prefilling` while their document is prefilled in chunks
+(`document_chunk`, at most `max_prefill_tokens` a forward, so running requests keep decoding
+between chunks); then `questions_ready` hands out those whose document is ready, and
+`prefill_step` prefills their questions in one packed extend. From then on every running request
+decodes each step. A request leaves as soon as all its streams are finished (or cancelled),
+freeing its slots and row, and waiting requests take its place.
+
+Each request has its own mode. One step serves every width-1 request (`stock` and `cascade`):
+cascade requests grouped by document read it once per group, stock requests read their own rows
+whole. `parallel` requests (P streams, an "extend" of P tokens each) take a step per width.
 
 Steps are built ahead of their results: building a step (`PlannedStep`) advances the requests'
 rows and counters, and `postprocess` later accepts the step's sampled tokens. The engine keeps
-one decode step in flight this way (see engine.py), so the host builds step t+1 and reads step
+one decode step in flight this way (see session.py), so the host builds step t+1 and reads step
 t's tokens while the GPU runs.
 
-Data flow: engine -> `admit` -> (`document_steps` for documents not yet prefilled) ->
-`prefill_step` / `decode_step` -> runner -> sampler -> `postprocess` -> finished streams -> engine.
+Data flow: session -> `admit` -> `document_chunk` (documents not yet prefilled) ->
+`questions_ready` -> `prefill_step` -> `decode_batches` -> `decode_step` -> runner -> sampler
+-> `postprocess` -> finished streams -> session.
 """
 
 from __future__ import annotations
@@ -80,7 +87,9 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_batch_requests = max_batch_requests
         self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted; document or questions not prefilled yet
         self.running: list[Request] = []
+        self._doc_next: dict[int, int] = {}  # id(doc) -> its next token to prefill
         self._step_ids = itertools.count(1)
         # The last `admit` stopped for want of rows, KV or batch room: retry after a release.
         self.admit_blocked = False
@@ -89,11 +98,16 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def active(self) -> int:
+        """Requests holding a row: prefilling or running."""
+        return len(self.prefilling) + len(self.running)
 
     def should_admit(self) -> bool:
         """Whether `admit` may take a request now (cheap: no allocation is tried)."""
-        return bool(self.waiting) and (not self.running or not self.admit_blocked)
+        return bool(self.waiting) and (not self.active or not self.admit_blocked)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -103,7 +117,7 @@ class Scheduler:
         tokens = 0
         self.admit_blocked = False
         while self.waiting:
-            if len(self.running) + len(admitted) >= self.max_batch_requests:
+            if self.active + len(admitted) >= self.max_batch_requests:
                 self.admit_blocked = True
                 break
             req = self.waiting[0]
@@ -116,13 +130,13 @@ class Scheduler:
             self.waiting.popleft()
             admitted.append(req)
             tokens += q_tokens
-        if not admitted and self.waiting and not self.running:
+        if not admitted and self.waiting and not self.active:
             req = self.waiting[0]
             raise RuntimeError(  # validation should make this impossible; never loop forever
                 f"cannot admit a request of {req.doc_len} document + {req.reserve_tokens} reserved "
                 f"tokens into an idle KV pool of {self.pool.allocator.capacity} slots "
                 f"({self.pool.allocator.num_free} free, {self.table.num_free_rows} free rows)")
-        self.running.extend(admitted)
+        self.prefilling.extend(admitted)
         return admitted
 
     def _allocate(self, req: Request) -> bool:
@@ -155,41 +169,92 @@ class Scheduler:
         req.row, req.slots = -1, None
 
     def abort_all(self) -> None:
-        """Drop every queued and running request (should_stop, or an error in the run)."""
-        for req in self.running:
+        """Drop every queued, prefilling and running request (a stop, or an error)."""
+        for req in self.prefilling + self.running:
             self.release(req)
+        self.prefilling.clear()
         self.running.clear()
         self.waiting.clear()
+        self._doc_next.clear()
+
+    def cancel(self, doomed: Callable[[object], bool]) -> list[Stream]:
+        """Drop every stream whose key `doomed(key)` picks, wherever it is; a request left
+        with no live stream leaves at once (a step in flight ignores it). Returns them."""
+        dropped: list[Stream] = []
+        for req in list(self.waiting) + self.prefilling + self.running:
+            for s, stream in enumerate(req.streams):
+                if not stream.cancelled and not stream.is_finished and doomed(stream.key):
+                    req.cancel(s)
+                    dropped.append(stream)
+        if not dropped:
+            return dropped
+        gone = [r for r in self.waiting if all(st.cancelled for st in r.streams)]
+        self.waiting = deque(r for r in self.waiting if r not in gone)
+        for req in self.prefilling:
+            if all(st.cancelled for st in req.streams):
+                self.release(req)
+        self.prefilling = [r for r in self.prefilling if r.row >= 0]
+        for req in self.running:
+            if req.is_finished:
+                self.release(req)
+        self.running = [r for r in self.running if r.row >= 0]
+        return dropped
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def documents_to_prefill(self, requests: Sequence[Request]) -> list[CachedDocument]:
+    def pending_documents(self) -> list[CachedDocument]:
+        """Documents that admitted requests wait for, in admission order."""
         seen: dict[int, CachedDocument] = {}
-        for req in requests:
+        for req in self.prefilling:
             if not req.doc.ready:
                 seen.setdefault(id(req.doc), req.doc)
         return list(seen.values())
 
-    def document_steps(self, doc: CachedDocument) -> Iterator[StepInputs]:
-        """Chunked prefill of a document through the scratch row (no logits), from its first
-        token not copied from another cached document."""
+    def document_chunk(self, doc: CachedDocument) -> StepInputs:
+        """The next chunk (at most max_prefill_tokens) of a document's prefill, through the
+        scratch row (no logits), from its first token not copied from another cached
+        document. The chunk that reaches the end marks the document ready: the steps after it
+        run behind it on the device."""
+        start = self._doc_next.get(id(doc), doc.copied)
+        end = min(doc.length, start + self.max_prefill_tokens)
         row = self.table.scratch_row
         self.table.write(row, 0, doc.slots)
-        ids = torch.tensor(doc.token_ids, dtype=torch.int64)
-        for start in range(doc.copied, doc.length, self.max_prefill_tokens):
-            end = min(doc.length, start + self.max_prefill_tokens)
-            yield StepInputs(kind="extend", input_ids=ids[start:end],
-                             layout=document_layout(start, end),
-                             qo_indptr=torch.tensor([0, end - start]), req_rows=torch.tensor([row]),
-                             kv_start=torch.zeros(1, dtype=torch.int64),
-                             prefix_lens=torch.tensor([start]),
-                             logit_indices=torch.empty(0, dtype=torch.int64))
+        ids = torch.tensor(doc.token_ids[start:end], dtype=torch.int64)
+        if end >= doc.length:
+            self._doc_next.pop(id(doc), None)
+            doc.ready = True
+        else:
+            self._doc_next[id(doc)] = end
+        return StepInputs(kind="extend", input_ids=ids, layout=document_layout(start, end),
+                          qo_indptr=torch.tensor([0, end - start]), req_rows=torch.tensor([row]),
+                          kv_start=torch.zeros(1, dtype=torch.int64),
+                          prefix_lens=torch.tensor([start]),
+                          logit_indices=torch.empty(0, dtype=torch.int64))
+
+    def questions_ready(self) -> list[Request]:
+        """Prefilling requests whose document is ready, up to max_prefill_tokens question
+        tokens (at least one request); they leave `prefilling` for `running`."""
+        out, tokens = [], 0
+        for req in self.prefilling:
+            if not req.doc.ready:
+                continue
+            q = sum(req.question_lens)
+            if out and tokens + q > self.max_prefill_tokens:
+                break
+            out.append(req)
+            tokens += q
+        if out:
+            chosen = set(map(id, out))
+            self.prefilling = [r for r in self.prefilling if id(r) not in chosen]
+            self.running.extend(out)
+        return out
 
     def prefill_step(self, requests: Sequence[Request], cascade: bool = False) -> PlannedStep:
         """One packed extend of the questions of newly admitted requests; a logit row per stream.
         Building it starts the answers: every stream is live and its first token scheduled.
         cascade: requests grouped by document, each group's question tokens meet the document
-        together (CascadeMetadata) and the per-request part starts after the document."""
+        together (CascadeMetadata) and the per-request part starts after the document; exact
+        for any width-1 request, whatever its decode mode."""
         if cascade:
             requests = sorted(requests, key=lambda r: r.doc.uid)
         ids, positions, sids, rows, lasts, counts, bases = [], [], [], [], [], [], []
@@ -214,7 +279,7 @@ class Scheduler:
             kv_start=torch.tensor([r.doc_len if cascade else 0 for r in requests]),
             prefix_lens=torch.tensor([r.doc_len for r in requests]),
             logit_indices=torch.cat(lasts), **self._doc_runs(requests, 0),
-            cascade_groups=self._groups(requests, 0) if cascade else None)
+            cascade_groups=self._groups(requests, 0, lambda r: True) if cascade else None)
         step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases,
                            [np.arange(r.width) < len(r.streams) for r in requests])
         for req, base in zip(requests, bases):
@@ -223,18 +288,26 @@ class Scheduler:
             req.pending_step, req.pending_row = step.uid, base
         return step
 
-    def decode_batch(self, cascade: bool) -> list[Request]:
-        """The running requests that have a stream to feed, in step order (grouped by document
-        for cascade). A request whose last tokens are all scheduled waits for them to be read."""
-        if cascade:
-            self.running.sort(key=lambda r: r.doc.uid)  # stable: arrival order within a document
-        return [r for r in self.running
-                if (r.live[0] and r.num_out[0] < r.max_new[0] if r.width == 1
-                    else r.schedulable().any())]
+    def decode_batches(self) -> list[list[Request]]:
+        """The running requests that have a stream to feed, as the steps that serve them: one
+        for every width-1 request (cascade requests first, grouped by document; stock after),
+        one per parallel width. A request whose last tokens are all scheduled waits for them to
+        be read."""
+        self.running.sort(key=_step_order)  # stable: arrival order within a document
+        batches: dict[tuple, list[Request]] = {}
+        for r in self.running:
+            if r.width == 1 and r.mode != "parallel":
+                if r.live[0] and r.num_out[0] < r.max_new[0]:
+                    batches.setdefault((1, "decode"), []).append(r)
+            elif r.schedulable().any():
+                batches.setdefault((r.width, "extend"), []).append(r)
+        return list(batches.values())
 
-    def decode_step(self, requests: Sequence[Request], *, kind: str, cascade: bool,
-                    pad_to: int = 0, prev: PlannedStep | None = None) -> PlannedStep:
-        """One token per schedulable stream of every request; logit rows = all B * P tokens.
+    def decode_step(self, requests: Sequence[Request], *, pad_to: int = 0,
+                    prev: PlannedStep | None = None) -> PlannedStep:
+        """One token per schedulable stream of every request (one of `decode_batches`); logit
+        rows = all B * P tokens. Parallel requests make an "extend" step; width-1 requests a
+        "decode" step, with cascade groups when any of them decodes by cascade.
 
         pad_to > B appends dummy requests (row 0: sink slots only, nothing cached, every stream
         finished) so a step has a fixed shape for CUDA graphs; their logit rows are ignored.
@@ -243,6 +316,9 @@ class Scheduler:
         Building the step advances each request's row, positions and sampling counters.
         """
         batch, width = len(requests), requests[0].width
+        kind = "extend" if requests[0].mode == "parallel" else "decode"
+        cascade = kind == "decode" and any(r.mode == "cascade" for r in requests)
+        mixed = cascade and any(r.mode != "cascade" for r in requests)
         pad = max(0, pad_to - batch)
         feed = [r.schedulable() for r in requests]
         counts = [int(mask.sum()) for mask in feed]
@@ -258,9 +334,18 @@ class Scheduler:
         rows = [r.row for r in requests] + [self.table.DUMMY_ROW] * pad
         groups = None
         kv_start = torch.zeros(batch + pad, dtype=torch.int64)
+        doc_runs = self._doc_runs(requests, pad)
         if cascade:
-            groups = self._groups(requests, pad)
-            kv_start = torch.tensor([r.doc_len for r in requests] + [0] * pad)
+            # Cascade requests read their rows after the document; stock ones read them whole,
+            # with the document hints that only they keep.
+            groups = self._groups(requests, pad, lambda r: r.mode == "cascade")
+            kv_start = torch.tensor([r.doc_len if r.mode == "cascade" else 0 for r in requests]
+                                    + [0] * pad)
+            if mixed:
+                keep = torch.tensor([r.mode != "cascade" for r in requests] + [False] * pad)
+                doc_runs = {k: v * keep for k, v in doc_runs.items()}
+            else:
+                doc_runs = {}
         input_src = None
         if prev is not None and any(r.pending_step == prev.uid for r in requests):
             lanes, none = np.arange(width), np.full(width, -1)
@@ -273,7 +358,7 @@ class Scheduler:
             layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
             req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
             logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True,
-            input_src=input_src, **self._doc_runs(requests, pad))
+            input_src=input_src, **doc_runs)
         sampling = self._sampling(requests, None, pad * width)
         step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling,
                            list(range(0, batch * width, width)), feed)
@@ -285,16 +370,20 @@ class Scheduler:
         return step
 
     @staticmethod
-    def _groups(requests: Sequence[Request], pad: int) -> list[tuple[int, int, int, int]]:
-        """Cascade groups of requests (sorted by document): (first, end, doc_len, doc start)."""
+    def _groups(requests: Sequence[Request], pad: int, shares: Callable[[Request], bool]
+                ) -> list[tuple[int, int, int, int]]:
+        """Cascade groups (first, end, doc_len, doc start) of the requests that `shares`
+        picks, sorted by document and placed first; the rest, and the padding, form one
+        group whose "document" is empty."""
         groups, first, batch = [], 0, len(requests)
-        for b in range(1, batch + 1):
-            if b == batch or requests[b].doc is not requests[first].doc:
+        sharing = sum(1 for r in requests if shares(r))
+        for b in range(1, sharing + 1):
+            if b == sharing or requests[b].doc is not requests[first].doc:
                 doc = requests[first].doc
                 groups.append((first, b, doc.length, doc.start))
                 first = b
-        if pad:
-            groups.append((batch, batch + pad, 0, 0))  # the dummies' "document" is empty
+        if sharing < batch + pad:
+            groups.append((sharing, batch + pad, 0, 0))
         return groups
 
     @staticmethod
@@ -347,3 +436,8 @@ class Scheduler:
                 self.release(req)
         self.running = [r for r in self.running if r.row >= 0]
         return finished
+
+
+def _step_order(req: Request) -> tuple[int, int]:
+    """Cascade requests first, grouped by document; then the others (see `_groups`)."""
+    return (0, req.doc.uid) if req.mode == "cascade" else (1, 0)

@@ -1,0 +1,369 @@
+"""`EngineSession`: one long-lived loop over an engine; work is added while it runs.
+
+    submit(requests) -> prompts per (template, document) -> checks (context, pool) -> a mode per
+        document group (auto: the cost model) -> requests of P streams (parallel) or one
+        question each (stock, cascade) -> the scheduler's queue
+    step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
+              while others decode, so they keep producing tokens)
+           -> run: one decode step per kind of request (every width-1 request in one step,
+              stock and cascade side by side; parallel requests per width)
+           -> postprocess: the step in flight is read back, finished streams become answers
+              and go to `on_answer` at once.
+
+One decode step stays in flight: step t+1 is built and launched (its input tokens taken from
+step t's sampled tokens on the device) before step t's tokens are read back, so host work
+overlaps the GPU. `Engine.run` and `Engine.answer` are a session that is fed once and drained;
+the worker keeps one session for its whole life and feeds it as jobs arrive. The document cache
+belongs to the engine, so a document is prefilled once per engine, whichever session asks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ppqa.config import SamplingParams
+from ppqa.engine.outputs import Answer, PromptTooLongError, QuestionRequest, RunStats
+from ppqa.engine.runtime import cost_model
+from ppqa.engine.runtime.kv_cache import document_key
+from ppqa.engine.runtime.request import Request, Stream
+from ppqa.engine.runtime.sampling import sample
+from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
+from ppqa.modes import check_mode
+
+AnswerCallback = Callable[[QuestionRequest, Answer], None]
+ErrorCallback = Callable[[QuestionRequest, Exception], None]
+
+
+def choose_plan(mode: str, streams: int | str | None, doc_tokens: int, group: Sequence[Stream],
+                model_config, device_kind: str, dtype_bytes: int, default_streams: int
+                ) -> tuple[str, int]:
+    """(mode, P) for one document's questions. "auto" mode and streams="auto" ask the cost
+    model (runtime/cost_model.py); parallel with streams=None uses the default P; P is capped at
+    the question count. On a GPU auto chooses between stock and cascade, which share a decode
+    step; on the CPU the torch backend's cascade is a literal split for testing, slower than
+    parallel (benchmarks/RESULTS.md, 'CPU'), so auto chooses between stock and parallel."""
+    workload = cost_model.Workload(
+        doc_tokens=doc_tokens, questions=len(group),
+        question_tokens=round(sum(len(s.suffix_ids) for s in group) / len(group)),
+        max_new_tokens=round(sum(s.sampling.max_new_tokens for s in group) / len(group)))
+    rates = cost_model.DeviceRates.for_device(device_kind)
+    if mode == "auto":
+        candidates = ("stock", "cascade") if device_kind == "cuda" else ("stock", "parallel")
+        mode, p, _ = cost_model.choose(model_config, workload, rates, candidates, dtype_bytes)
+        if streams == "auto" or streams is None:
+            return mode, p
+    if mode != "parallel":
+        return mode, 1
+    if streams == "auto":
+        streams = cost_model.best_streams(model_config, workload, rates, dtype_bytes)
+    return mode, min(streams or default_streams, len(group))
+
+
+class EngineSession:
+    """A running loop over `engine`: `submit` adds questions, `step` advances the work by one
+    iteration, `cancel` drops questions; answers and rejections go to the callbacks."""
+
+    def __init__(self, engine, on_answer: AnswerCallback | None = None,
+                 on_error: ErrorCallback | None = None) -> None:
+        self.engine = engine
+        self._parts = parts = engine._parts
+        self.on_answer, self.on_error = on_answer, on_error
+        self.sched = Scheduler(parts.pool, parts.table, parts.docs,
+                               max_prefill_tokens=engine.config.max_prefill_tokens,
+                               max_batch_requests=engine.config.max_batch_requests)
+        self.stats = RunStats()
+        self.started = time.perf_counter()
+        self._in_flight: _Launched | None = None
+        self._modes: set[str] = set()
+        tokenizer = engine.tokenizer
+        self._eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
+        self._cuda = engine.device.type == "cuda"
+        # Width-1 questions of one document prefill together against it (the cascade extend,
+        # exact for stock too); the CPU's torch backend does that as a slow literal split.
+        self._grouped_prefill = self._cuda
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(engine.device)
+
+    # ---- feeding -----------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[QuestionRequest], *, mode: str = "auto",
+               streams: int | str | None = None) -> int:
+        """Queue questions (any documents); returns how many were accepted. A question that
+        cannot fit, or whose template or tokenization fails, goes to `on_error` (raised
+        without one) and the others go ahead."""
+        check_mode(mode)
+        if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
+            raise ValueError(f"streams must be None, 'auto' or an integer >= 1, got {streams!r}")
+        engine = self.engine
+        accepted = 0
+        for doc_ids, group in self._prepare(requests):
+            chosen, width = choose_plan(mode, streams, len(doc_ids), group, engine.model_config,
+                                        engine.device.type, engine.dtype.itemsize,
+                                        engine.config.default_streams)
+            self._modes.add(chosen)
+            self.stats.streams = max(self.stats.streams, width)
+            for req in self._requests(doc_ids, group, chosen, width):
+                self.sched.add(req)
+            accepted += len(group)
+        self.stats.mode = self._modes.pop() if len(self._modes) == 1 else "mixed"
+        if self.stats.mode != "mixed":
+            self._modes.add(self.stats.mode)
+        return accepted
+
+    def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
+        """Drop the questions that `doomed(request)` picks, queued or running: they get no
+        answer, and their KV and rows are free for others at once. Returns how many."""
+        return len(self.sched.cancel(doomed))
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests waiting for admission (not yet holding KV or a row)."""
+        return len(self.sched.waiting)
+
+    @property
+    def active_requests(self) -> int:
+        return self.sched.active
+
+    @property
+    def open_questions(self) -> int:
+        """Questions submitted and not yet answered, rejected or cancelled."""
+        sched = self.sched
+        return sum(1 for r in [*sched.waiting, *sched.prefilling, *sched.running]
+                   for st in r.streams if not st.cancelled and not st.is_finished)
+
+    def has_work(self) -> bool:
+        return self.sched.has_work() or self._in_flight is not None
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One iteration: schedule (admit, prefill), run (decode), postprocess. False when
+        there was nothing to do."""
+        sched = self.sched
+        if not sched.has_work():
+            self.flush()
+            return False
+        if sched.should_admit():
+            sched.admit()
+        # While others decode, one document chunk and one question prefill an iteration.
+        self._prefill(bounded=bool(sched.running))
+        self._decode()
+        return True
+
+    def drain(self, should_stop: Callable[[], bool] | None = None) -> None:
+        """Step until every submitted question is answered (or `should_stop()` turns true)."""
+        while self.has_work():
+            if should_stop is not None and should_stop():
+                self.stats.stopped = True
+                return
+            self.step()
+
+    def flush(self) -> None:
+        """Read back the step in flight, if any."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._finish(launched)
+
+    def close(self) -> RunStats:
+        """Drop whatever is left (a stop or an error) and return the session's statistics."""
+        self._in_flight = None
+        self.sched.abort_all()
+        if self._cuda:
+            self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.engine.device)
+        self.stats.wall_s = time.perf_counter() - self.started
+        return self.stats
+
+    # ---- preparing requests ------------------------------------------------------------------
+
+    def _reject(self, req: QuestionRequest, error: Exception) -> None:
+        if self.on_error is None:
+            raise error
+        self.stats.errors += 1
+        self.on_error(req, error)
+
+    def _prepare(self, requests: Sequence[QuestionRequest]) -> list[tuple[list[int], list[Stream]]]:
+        """Tokenize per (template, document) and check every question fits; one group per
+        document. Any error of one group's inputs (its template, its text) fails that group
+        alone; one question's sampling parameters fail that question alone."""
+        engine = self.engine
+        groups: dict[tuple[str, str], list[QuestionRequest]] = {}
+        for req in requests:
+            groups.setdefault((req.template, req.document), []).append(req)
+        jobs = []
+        for (template, document), reqs in groups.items():
+            try:
+                prompt = engine.tokenizer.prompt(template, document, [r.question for r in reqs])
+                if engine.config.share_question_prefix:
+                    prompt = prompt.with_common_opening()
+            except Exception as error:  # noqa: BLE001 - bad input fails its own questions
+                for req in reqs:
+                    self._reject(req, error)
+                continue
+            doc_ids, streams = list(prompt.prefix_ids), []
+            for req, suffix in zip(reqs, prompt.suffix_ids):
+                error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
+                if error is None:
+                    error = _sampling_error(req.sampling)
+                if error is not None:
+                    self._reject(req, error)
+                    continue
+                seed = (req.sampling.seed if req.sampling.seed is not None
+                        else engine.next_seed())
+                streams.append(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
+                                      seed=seed, prompt_tokens=len(doc_ids) + len(suffix)))
+            if streams:
+                jobs.append((doc_ids, streams))
+        return jobs
+
+    def _requests(self, doc_ids: list[int], streams: list[Stream], mode: str,
+                  width: int) -> list[Request]:
+        key = document_key(doc_ids)  # hashed once per document, not once per request
+        if mode != "parallel":
+            return [Request(doc_ids, [s], width=1, doc_key=key, mode=mode) for s in streams]
+        sizes = [len(s.suffix_ids) + s.sampling.max_new_tokens for s in streams]
+        return [Request(doc_ids, [streams[i] for i in group], width=width, doc_key=key, mode=mode)
+                for group in pack_streams(sizes, width, len(doc_ids), self.engine.kv_capacity)]
+
+    # ---- schedule, run, postprocess ----------------------------------------------------------
+
+    def _prefill(self, bounded: bool) -> None:
+        """Document chunks, then the questions whose documents are ready; bounded: at most one
+        of each. Timed to the device (a synchronisation at the end) and charged to the streams
+        that waited for them."""
+        sched, runner, stats = self.sched, self._parts.runner, self.stats
+        begin = time.perf_counter()
+        worked = False
+        while True:
+            docs = sched.pending_documents()
+            if not docs:
+                break
+            doc = docs[0]
+            waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
+            inputs = sched.document_chunk(doc)
+            chunk_begin = time.perf_counter()
+            runner.run(inputs)
+            stats.steps += 1
+            stats.prefilled_tokens += inputs.num_tokens
+            worked = True
+            if self._cuda:
+                torch.cuda.synchronize(self.engine.device)
+            _charge(waiting, "prefill_s", time.perf_counter() - chunk_begin)
+            if bounded:
+                break
+        while True:
+            ready = sched.questions_ready()
+            if not ready:
+                break
+            worked = True
+            for step in self._question_steps(ready):
+                step_begin = time.perf_counter()
+                stats.prefilled_tokens += step.inputs.num_tokens
+                self._finish(self._launch(step, None), charge=False)
+                seconds = time.perf_counter() - step_begin
+                tokens = sum(len(s.suffix_ids) for r in step.requests for s in r.streams)
+                for req in step.requests:
+                    for stream in req.streams:
+                        stream.prefill_s += seconds * len(stream.suffix_ids) / max(tokens, 1)
+            if bounded:
+                break
+        if worked:
+            stats.prefill_s += time.perf_counter() - begin
+
+    def _question_steps(self, ready: list[Request]) -> list[PlannedStep]:
+        """The question prefill of newly ready requests: width-1 requests grouped by document
+        (on a GPU), parallel requests in a stream-masked extend of their own."""
+        narrow = [r for r in ready if r.mode != "parallel"]
+        wide = [r for r in ready if r.mode == "parallel"]
+        steps = []
+        if narrow:
+            cascade = self._grouped_prefill or any(r.mode == "cascade" for r in narrow)
+            steps.append(self.sched.prefill_step(narrow, cascade=cascade))
+        if wide:
+            steps.append(self.sched.prefill_step(wide, cascade=False))
+        return steps
+
+    def _decode(self) -> None:
+        begin = time.perf_counter()
+        batches = self.sched.decode_batches()
+        for batch in batches:
+            self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(batch))
+            # Fixed shapes for CUDA graphs: B padded to a power of two with dummy requests.
+            pad_to = 1 << (len(batch) - 1).bit_length() if self.engine.config.cuda_graphs else 0
+            prev = self._in_flight
+            step = self.sched.decode_step(batch, pad_to=pad_to,
+                                          prev=None if prev is None else prev.step)
+            launched = self._launch(step, prev)
+            self._in_flight = None
+            if prev is not None:
+                self._finish(prev)
+            self._in_flight = launched
+            if not self.engine.config.overlap_steps:
+                self.flush()
+        if not batches:
+            self.flush()
+        self.stats.decode_s += time.perf_counter() - begin
+
+    def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
+        logits = self._parts.runner.run(step.inputs, None if prev is None else prev.tokens)
+        self.stats.steps += 1
+        return _Launched(step, sample(logits, step.sampling), time.perf_counter())
+
+    def _finish(self, launched: _Launched, charge: bool = True) -> None:
+        tokens = launched.read()
+        now = time.perf_counter()
+        step, stats = launched.step, self.stats
+        if charge:  # a decode step's time, from its launch to its tokens, shared by its streams
+            fed = [s for req, mask in zip(step.requests, step.fed) if req.row >= 0
+                   for i, s in enumerate(req.streams) if mask[i]]
+            _charge(fed, "decode_s", now - launched.launched_at)
+        finished = self.sched.postprocess(step, tokens, eos_ids=self._eos,
+                                          decode=self.engine.tokenizer.decode, now=now)
+        modes = {id(s): (r.mode, r.width) for r in step.requests for s in r.streams}
+        for stream in finished:
+            mode, width = modes.get(id(stream), ("stock", 1))
+            answer = Answer(stream.text, list(stream.output_ids), stream.finish_reason,
+                            stream.prompt_tokens, latency_s=now - self.started, mode=mode,
+                            streams=width, prefill_s=stream.prefill_s, decode_s=stream.decode_s)
+            stats.questions += 1
+            stats.answer_tokens += len(answer.token_ids)
+            stats.prompt_tokens += answer.prompt_tokens
+            if self.on_answer is not None:
+                self.on_answer(stream.key, answer)
+
+
+def _charge(streams: list[Stream], field: str, seconds: float) -> None:
+    """Share `seconds` of device work equally between `streams`."""
+    if streams:
+        share = seconds / len(streams)
+        for s in streams:
+            setattr(s, field, getattr(s, field) + share)
+
+
+def _sampling_error(params: SamplingParams) -> Exception | None:
+    """A parameter the sampler cannot take (e.g. a seed beyond 64 bits), as an error."""
+    if params.seed is not None and params.seed >= 1 << 63:
+        return ValueError(f"seed must be below 2**63, got {params.seed}")
+    return None
+
+
+class _Launched:
+    """A step on its way: its sampled tokens on the device, copied to pinned host memory
+    behind the step (no wait); `read` waits for this step alone."""
+
+    def __init__(self, step: PlannedStep, tokens: torch.Tensor, launched_at: float) -> None:
+        self.step, self.tokens, self.launched_at = step, tokens, launched_at
+        self._event = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def read(self) -> list[int]:
+        if self._event is None:
+            return self.tokens.tolist()
+        self._event.synchronize()
+        return self._host.tolist()

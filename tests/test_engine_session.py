@@ -1,0 +1,175 @@
+"""The engine session: questions submitted while it runs, a mode per document group in one step,
+chunked prefill beside decode, cancellation. The golden rule holds throughout: every answer is
+stock's greedy answer (fp32) to the same question, however the work arrived and was batched."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ppqa import Answer, QuestionRequest, SamplingParams
+from ppqa.engine.runtime.scheduler import Scheduler
+from tests.test_engine_api import plain_template, text, tiny_engine
+
+
+def _requests(rng: random.Random, doc: str, count: int, tmpl: str, tag: str
+              ) -> list[QuestionRequest]:
+    return [QuestionRequest((tag, i), doc, text(rng, rng.randint(3, 25)),
+                            SamplingParams(max_new_tokens=rng.randint(1, 10), ignore_eos=True),
+                            tmpl) for i in range(count)]
+
+
+def _reference(eng, requests: list[QuestionRequest]) -> dict:
+    """Stock's answers, one document at a time in a plain run."""
+    out: dict = {}
+    for doc in dict.fromkeys(r.document for r in requests):
+        group = [r for r in requests if r.document == doc]
+        eng.run(group, mode="stock", on_answer=lambda r, a: out.__setitem__(r.key, a))
+    return out
+
+
+@pytest.fixture
+def spy_steps(monkeypatch):
+    """The modes of the requests in every decode step that the scheduler builds."""
+    seen: list[tuple[str, ...]] = []
+    build = Scheduler.decode_step
+
+    def recording(self, requests, **kw):
+        seen.append(tuple(r.mode for r in requests))
+        return build(self, requests, **kw)
+
+    monkeypatch.setattr(Scheduler, "decode_step", recording)
+    return seen
+
+
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
+def test_arrivals_mixed_modes_and_early_finishes_give_stock_tokens(preset, tmp_path: Path,
+                                                                  spy_steps) -> None:
+    eng = tiny_engine(preset, seed=3)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(preset)
+    docs = [text(rng, n) for n in (120, 40, 200)]
+    batches = [(_requests(rng, docs[0], 6, tmpl, "a"), "cascade"),
+               (_requests(rng, docs[1], 5, tmpl, "b"), "stock"),
+               (_requests(rng, docs[2], 7, tmpl, "c"), "parallel"),
+               (_requests(rng, docs[0], 3, tmpl, "d"), "stock")]
+    expected = _reference(eng, [r for batch, _ in batches for r in batch])
+
+    got: dict[object, Answer] = {}
+    arrivals: dict[str, int] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    steps = 0
+    for requests, mode in batches:  # each batch arrives two steps after the one before
+        session.submit(requests, mode=mode, streams=3 if mode == "parallel" else None)
+        arrivals[requests[0].key[0]] = len(got)
+        for _ in range(2):
+            session.step()
+            steps += 1
+    session.drain()
+    stats = session.close()
+
+    assert set(got) == set(expected)
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key
+        assert got[key].mode == dict(batches_modes(batches))[key[0]]
+    assert arrivals["d"] > 0  # answers came out before the last questions arrived
+    assert stats.mode == "mixed" and stats.questions == len(expected)
+    # One step held stock and cascade requests together; parallel ran in steps of its own.
+    assert any({"stock", "cascade"} <= set(step) for step in spy_steps)
+    assert all(set(step) == {"parallel"} for step in spy_steps if "parallel" in step)
+    # Finished streams left at once: later steps carried fewer requests than the peak.
+    sizes = [len(step) for step in spy_steps]
+    assert sizes[-1] < max(sizes)
+
+
+def batches_modes(batches):
+    return [(requests[0].key[0], mode) for requests, mode in batches]
+
+
+def test_cancel_drops_questions_and_frees_their_place(tmp_path: Path) -> None:
+    eng = tiny_engine("tiny-gqa", seed=5)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(7)
+    doc = text(rng, 150)
+    keep = _requests(rng, doc, 4, tmpl, "keep")
+    drop = _requests(rng, doc, 4, tmpl, "drop")
+    for r in drop:
+        r.sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = _reference(eng, keep)
+    free_before = eng.kv_free_tokens
+
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(keep + drop, mode="cascade")
+    session.step()
+    session.step()
+    def held(tag: str) -> int:
+        return sum(1 for r in session.sched.prefilling + session.sched.running
+                   for s in r.streams if s.key.key[0] == tag)
+
+    assert held("drop") == 4  # their 40-token answers are far from done
+    assert session.cancel(lambda r: r.key[0] == "drop") == 4
+    assert held("drop") == 0  # the cancelled requests left at once
+    session.drain()
+    session.close()
+    assert set(got) == set(expected)
+    assert all(got[k].token_ids == a.token_ids for k, a in expected.items())
+    # Everything but the cached document went back to the pool.
+    assert eng.kv_free_tokens == free_before
+
+
+def test_long_document_prefills_in_chunks_while_others_decode(tmp_path: Path) -> None:
+    eng = tiny_engine("tiny-mha", seed=2, max_prefill_tokens=64)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(11)
+    short, long = text(rng, 30), text(rng, 400)
+    first = _requests(rng, short, 3, tmpl, "s")
+    for r in first:
+        r.sampling = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    second = _requests(rng, long, 3, tmpl, "l")
+    # The same weights in a second engine, so that this one has no document cached yet.
+    expected = _reference(tiny_engine("tiny-mha", seed=2, max_prefill_tokens=64), first + second)
+
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(first, mode="stock")
+    session.step()  # the short document is in and decoding
+    tokens_before = [len(s.output_ids) for r in session.sched.running for s in r.streams]
+    session.submit(second, mode="stock")
+    chunk_steps = 0
+    while any(not r.doc.ready for r in session.sched.prefilling) or session.sched.waiting:
+        session.step()
+        chunk_steps += 1
+    tokens_after = [len(s.output_ids) for r in session.sched.running for s in r.streams
+                    if s.key.key[0] == "s"]
+    session.drain()
+    session.close()
+    # The long document (over 400 tokens) needed several bounded chunks of 64 tokens, and the
+    # short document's answers kept growing meanwhile.
+    assert chunk_steps >= 5
+    assert sum(tokens_after) > sum(tokens_before)
+    assert all(got[k].token_ids == a.token_ids for k, a in expected.items())
+
+
+def test_one_bad_group_fails_alone(tmp_path: Path) -> None:
+    eng = tiny_engine("tiny-gqa")
+    tmpl = plain_template(tmp_path)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% block prefix %}{% include 'x' %}{% endblock %}"
+                      "{% block question %}{{ question }}{% endblock %}", encoding="utf-8")
+    rng = random.Random(1)
+    good = _requests(rng, text(rng, 50), 2, tmpl, "good")
+    bad = _requests(rng, text(rng, 50), 2, str(broken), "bad")
+    huge_seed = [QuestionRequest(("seed", 0), good[0].document, "Why?",
+                                 SamplingParams(max_new_tokens=2, seed=2**70), tmpl)]
+    got, errors = {}, {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a),
+                          on_error=lambda r, e: errors.__setitem__(r.key, e))
+    assert session.submit(bad + good + huge_seed) == 2
+    session.drain()
+    session.close()
+    assert set(got) == {r.key for r in good}
+    assert set(errors) == {r.key for r in bad} | {("seed", 0)}
+    assert "seed" in str(errors[("seed", 0)])

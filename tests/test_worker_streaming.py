@@ -1,0 +1,143 @@
+"""The worker keeps one engine session fed: jobs join while others decode, a cancelled job
+leaves the session at once while the others go on, and a job whose template fails fails alone.
+The real engine on `dummy:tiny-mha` (CPU) and a real SQLite store; order is read from the
+store's answer ids and the worker's own events, never from wall-clock time."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from ppqa.store.jobs import cancel_job
+from ppqa.store.models import Answer, Job, Question
+from ppqa.worker.loop import Worker, WorkerOptions
+from ppqa.worker.report import ProgressSink
+
+MODEL = "dummy:tiny-mha"
+DOC = "The harbor of Velm opened in 1901. It has three piers and a red lighthouse."
+OTHER = "Orrin is a river town with two bridges and a market on Sundays."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ppqa.engine.engine import Engine
+
+    return Engine(MODEL, device="cpu")
+
+
+def _answer_ids(db, job_id: int) -> list[int]:
+    with db.read() as conn:
+        return list(conn.execute(select(Answer.id).join(Question, Question.id == Answer.question_id)
+                                 .where(Question.job_id == job_id)).scalars())
+
+
+def _status(db, job_id: int) -> str:
+    with db.read() as conn:
+        return conn.execute(select(Job.status).where(Job.id == job_id)).scalar_one()
+
+
+class _Events(ProgressSink):
+    """Records what the worker reports, and runs a hook on the first answer of a job."""
+
+    def __init__(self, on_first=None) -> None:
+        self.events: list[tuple] = []
+        self.on_first, self.fired = on_first, False
+
+    def claimed(self, claims) -> None:
+        self.events.append(("claimed", tuple(c.job_id for c in claims)))
+
+    def answered(self, claim, answer_tokens: int) -> None:
+        self.events.append(("answered", claim.job_id))
+        if self.on_first is not None and not self.fired:
+            self.fired = True
+            self.on_first(claim.job_id)
+
+    def message(self, text: str) -> None:
+        self.events.append(("message", text))
+
+
+def test_a_job_ingested_while_another_decodes_starts_before_it_ends(sqlite_db, add_job, engine,
+                                                                  monkeypatch):
+    long_job = add_job(sqlite_db, DOC, [f"Describe part {i} in detail." for i in range(3)],
+                       max_new_tokens=60, mode="stock")
+    late: list[int] = []
+    make_session = engine.session
+
+    def session_that_ingests_on_its_fifth_step(*args, **kwargs):
+        session = make_session(*args, **kwargs)
+        step, steps = session.step, []
+
+        def counted():
+            steps.append(1)
+            if len(steps) == 5:  # the long job is decoding by now
+                late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2,
+                                    mode="stock"))
+            return step()
+
+        session.step = counted
+        return session
+
+    monkeypatch.setattr(engine, "session", session_that_ingests_on_its_fifth_step)
+    sink = _Events()
+    worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01),
+                    sink)
+    summary = worker.run()
+
+    assert summary.count("done") == 2 and len(late) == 1
+    # The late job was claimed and answered while the long one still had answers to come.
+    assert max(_answer_ids(sqlite_db, late[0])) < min(_answer_ids(sqlite_db, long_job))
+    claims = [e[1] for e in sink.events if e[0] == "claimed"]
+    assert claims == [(long_job,), (late[0],)]
+
+
+def test_cancel_stops_one_job_at_once_and_the_others_go_on(sqlite_db, add_job, engine,
+                                                          monkeypatch):
+    doomed = add_job(sqlite_db, DOC, [f"Question {k}?" for k in range(6)], max_new_tokens=400,
+                     mode="stock")
+    kept = add_job(sqlite_db, OTHER, [f"Other {k}?" for k in range(3)], max_new_tokens=20,
+                   mode="stock")
+    make_session = engine.session
+
+    def session_that_cancels_on_its_fifth_step(*args, **kwargs):
+        session = make_session(*args, **kwargs)
+        step, steps = session.step, []
+
+        def counted():
+            steps.append(1)
+            if len(steps) == 5:
+                cancel_job(sqlite_db, doomed)
+            return step()
+
+        session.step = counted
+        return session
+
+    monkeypatch.setattr(engine, "session", session_that_cancels_on_its_fifth_step)
+    sink = _Events()
+    worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu",
+                                                     lease_seconds=0.3), sink)
+    summary = worker.run()
+
+    assert _status(sqlite_db, doomed) == "cancelled" and _status(sqlite_db, kept) == "done"
+    assert any(e[0] == "message" and f"job {doomed}: lease lost" in e[1] for e in sink.events)
+    # The heartbeat saw the cancel long before 400 tokens: the doomed job left the session
+    # with nothing written, while the other job finished.
+    assert _answer_ids(sqlite_db, doomed) == []
+    assert len(_answer_ids(sqlite_db, kept)) == 3
+    assert [o.status for o in summary.jobs if o.job_id == kept] == ["done"]
+    assert [o.status for o in summary.jobs if o.job_id == doomed] == ["lost"]
+
+
+def test_a_template_that_fails_to_render_fails_its_job_alone(sqlite_db, add_job, engine, tmp_path):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% block prefix %}{% include 'x' %}{{ document }}{% endblock %}"
+                      "{% block question %}{{ question }}{% endblock %}", encoding="utf-8")
+    bad = add_job(sqlite_db, DOC, ["Anything?"], template=str(broken), max_new_tokens=3)
+    good = add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=3)
+    summary = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu")).run()
+
+    assert _status(sqlite_db, good) == "done"
+    assert _status(sqlite_db, bad) == "failed"  # failed at once: the same template fails again
+    with sqlite_db.read() as conn:
+        attempts, error = conn.execute(select(Job.attempts, Job.error).where(Job.id == bad)).one()
+    assert attempts == 1 and ("template" in error.lower() or "include" in error.lower())
+    assert summary.last_error is None  # the engine itself never failed
