@@ -14,6 +14,7 @@ options or setup.
 
 import os
 import signal
+import time
 from typing import Annotated
 
 import typer
@@ -85,22 +86,39 @@ def run(
                        "stdout (progress stays on stderr).")] = False,
 ) -> None:
     from ppqa.worker.loop import Worker, WorkerError, WorkerOptions
-    from ppqa.store.queue import waiting_questions
-    from ppqa.worker.setup import SetupError, load_engine, resolve_device
+    from ppqa.store.queue import has_claimable, waiting_questions
+    from ppqa.worker.report import WorkerSummary
+    from ppqa.worker.setup import SetupError, load_engine, process_age, resolve_device
 
     try:
         check_mode(mode, "--mode")
     except ValueError as exc:
         fail(str(exc))
     db = open_store(ctx)  # an unreachable or corrupt store: exit 2 before anything loads
+    if not follow and not has_claimable(db, model):
+        # Nothing to do: say so without loading torch or the model.
+        say(f"no jobs to run in {db.description}")
+        if json_out:
+            print_json(WorkerSummary(worker_id="-", model=model,
+                                     device=device or ("auto" if gpu is None else f"cuda:{gpu}"))
+                       .to_dict())
+        return
     try:
+        began = time.perf_counter()
         device_name = resolve_device(gpu, device)
         say(f"loading {model} on {device_name} ...")
         pool = {k: v for k, v in (("mem_fraction", mem_fraction),
                                   ("kv_token_budget", kv_tokens)) if v is not None}
+        loaded = time.perf_counter()
         engine = load_engine(model, device_name, **pool)
+        built = time.perf_counter()
+        warm = engine.warmup() if engine.device.type == "cuda" else 0.0
     except SetupError as exc:
         fail(str(exc))
+    age = process_age()
+    say((f"ready after {age:.1f} s: " if age is not None else "ready: ")
+        + f"torch and the device {loaded - began:.1f} s, model and KV pool {built - loaded:.1f} s"
+        + (f", kernels compiled and graphs captured {warm:.1f} s" if warm else ""))
     if streams is not None and streams != "auto":
         if not streams.isdigit() or int(streams) < 1:
             fail(f"--streams must be a whole number >= 1 or 'auto', got {streams!r}")
@@ -121,6 +139,8 @@ def run(
     finally:  # the command may run inside a longer-lived process (tests, a notebook)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if engine.device.type == "cuda":
+        say(f"{engine.captured_graphs} decode step shapes captured as CUDA graphs")
     if json_out:
         print_json(summary.to_dict())
     if summary.stopped_by == "SIGINT":

@@ -286,3 +286,10 @@ def waiting_questions(db: Database, model: str | None = None) -> int:
         stmt = stmt.where(or_(Job.model.is_(None), Job.model == model))
     with db.read() as conn:
         return int(conn.execute(stmt).scalar_one())
+
+
+def has_claimable(db: Database, model: str | None = None) -> bool:
+    """Whether `claim_jobs` would find a job now (queued, or running with an expired lease)."""
+    with db.read() as conn:
+        now = db.now(conn)
+        return conn.execute(select(Job.id).where(_claimable(now, model)).limit(1)).first() is not None

@@ -59,6 +59,18 @@ def load_engine(model: str, device: str, **config_fields):
         raise SetupError(f"cannot load model {model!r} on {device}: {_first_line(exc)}") from None
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux; None elsewhere), to report start-up."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__

@@ -42,14 +42,12 @@ class CapturedStep:
     logits: torch.Tensor
 
 
+# A shape is captured on its third use; before that its steps run eagerly.
+CAPTURE_AFTER = 3
+
 _TENSOR_FIELDS = ("positions", "out_slots", "q_sid", "qo_indptr", "req_indices", "kv_start",
                   "prefix_lens", "logit_indices")
 _OPTIONAL_FIELDS = ("doc_start", "doc_len")  # present or not per step: part of the key
-_CASCADE_FIELDS = ("group_req_indptr", "doc_req_indices", "doc_lens", "doc_starts")
-
-
-def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.clone()
 
 
 def _fields(meta: ForwardMetadata) -> list[str]:
@@ -62,29 +60,41 @@ class GraphCache:
     def __init__(self, model, backend, device: torch.device) -> None:
         self.model, self.backend, self.device = model, backend, device
         self.graphs: dict[tuple, CapturedStep] = {}
+        self.seen: dict[tuple, int] = {}  # uses of shapes not captured yet
         self.pool = torch.cuda.graph_pool_handle()
 
     def key(self, meta: ForwardMetadata) -> tuple:
         casc = meta.cascade
-        cascade_key = None if casc is None else (casc.doc_req_indices.shape[0],
-                                                 casc.max_group_size, length_bucket(casc.max_doc_len),
-                                                 casc.contiguous, casc.doc_groups)
+        # Cascade steps are keyed by bounds, not counts: groups padded to a power of two with
+        # empty ones, group size and document groups rounded up, so documents coming and
+        # going in a long session reuse a few graphs instead of capturing one per mix.
+        cascade_key = None if casc is None else (
+            _pow2(casc.doc_req_indices.shape[0]), _pow2(casc.max_group_size),
+            length_bucket(casc.max_doc_len), casc.contiguous,
+            _pow2(casc.doc_groups if casc.doc_groups is not None else casc.doc_req_indices.shape[0]))
+        return self._key(meta, cascade_key)
+
+    def _key(self, meta: ForwardMetadata, cascade_key) -> tuple:
         return (meta.kind, meta.batch_size, meta.num_tokens, meta.max_extend_len,
                 length_bucket(meta.max_prefix_len + meta.max_extend_len), cascade_key,
                 tuple(_fields(meta)))
 
-    def run(self, input_ids: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor | None:
+        """The step's logits from its graph; None (run it eagerly) while its shape has been
+        seen fewer than CAPTURE_AFTER times: a capture costs as much as many eager steps, and
+        a long session's passing shapes (a draining batch's tail) are used only a few times."""
         key = self.key(meta)
         step = self.graphs.get(key)
         if step is None:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] < CAPTURE_AFTER:
+                return None
             step = self.graphs[key] = self._capture(key, input_ids, meta)
         step.input_ids.copy_(input_ids)
         for name in _fields(meta):
             getattr(step.meta, name).copy_(getattr(meta, name))
         if meta.cascade is not None:
-            for name in _CASCADE_FIELDS:
-                if getattr(meta.cascade, name) is not None:
-                    getattr(step.meta.cascade, name).copy_(getattr(meta.cascade, name))
+            _copy_groups(step.meta.cascade, meta.cascade)
         step.graph.replay()
         return step.logits
 
@@ -94,10 +104,18 @@ class GraphCache:
         fields = {name: getattr(meta, name).clone() for name in _fields(meta)}
         cascade = None
         if meta.cascade is not None:
+            groups, group_size, doc_bound, contiguous, doc_groups = key[5]
+            casc = meta.cascade
+
+            def room(t: torch.Tensor | None, extra: int) -> torch.Tensor | None:
+                return None if t is None else torch.zeros(groups + extra, dtype=t.dtype,
+                                                          device=t.device)
             cascade = CascadeMetadata(
-                **{name: _clone(getattr(meta.cascade, name)) for name in _CASCADE_FIELDS},
-                max_group_size=meta.cascade.max_group_size, max_doc_len=key[5][2],
-                contiguous=meta.cascade.contiguous, doc_groups=meta.cascade.doc_groups)
+                group_req_indptr=room(casc.group_req_indptr, 1),
+                doc_req_indices=room(casc.doc_req_indices, 0), doc_lens=room(casc.doc_lens, 0),
+                doc_starts=room(casc.doc_starts, 0), max_group_size=group_size,
+                max_doc_len=doc_bound, contiguous=contiguous, doc_groups=doc_groups)
+            _copy_groups(cascade, casc)
         return dataclasses.replace(meta, **fields, cascade=cascade,
                                    max_prefix_len=bound - meta.max_extend_len)
 
@@ -121,3 +139,20 @@ class GraphCache:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(static_ids, static_meta)
         return CapturedStep(graph, static_ids, static_meta, logits)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _copy_groups(static: CascadeMetadata, real: CascadeMetadata) -> None:
+    """The step's groups into the graph's padded tensors; the groups past them are empty (no
+    rows, no document), which the kernels skip."""
+    n = real.doc_req_indices.shape[0]
+    static.group_req_indptr[:n + 1].copy_(real.group_req_indptr)
+    static.group_req_indptr[n + 1:] = real.group_req_indptr[n]
+    for name in ("doc_req_indices", "doc_lens", "doc_starts"):
+        target, source = getattr(static, name), getattr(real, name)
+        if target is not None and source is not None:
+            target[:n].copy_(source)
+            target[n:] = 0

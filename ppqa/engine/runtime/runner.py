@@ -149,7 +149,9 @@ class ModelRunner:
         Nothing here waits for the device."""
         input_ids, meta = self.prepare(step, prev_tokens)
         if self.graphs is not None and step.decode:
-            return self.graphs.run(input_ids, meta)
+            logits = self.graphs.run(input_ids, meta)
+            if logits is not None:
+                return logits
         hidden = self.model(input_ids, meta.positions, meta, self.backend)
         if meta.logit_indices.shape[0] == 0:
             return None
