@@ -12,7 +12,7 @@ import torch
 
 from ppqa import SamplingParams
 from ppqa.engine.runtime.sampling import SamplingBatch, counter_uniform, sample
-from tests.test_engine_api import plain_template, text, tiny_engine
+from tests.helpers import plain_template, text, tiny_engine
 
 
 def batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, seeds=None, steps=None) -> SamplingBatch:
