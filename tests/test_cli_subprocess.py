@@ -61,15 +61,29 @@ def test_no_color_is_honoured(run, tmp_path):
     assert not COLOR.search(plain.stdout)
 
 
-def test_store_commands_do_not_import_torch(tmp_path):
+HEAVY = ("torch", "transformers", "triton", "ppqa.engine")
+
+
+def test_ingest_status_and_export_do_not_import_torch(tmp_path):
+    """The store commands run the CLI in one process, one after another; after each, none of the
+    engine's packages has been imported (they take seconds to import, and a queue host may not
+    have them working)."""
+    (tmp_path / "doc.txt").write_text("Marrow Bay has 3 piers.\n")
+    (tmp_path / "q.txt").write_text("How many piers?\nWho runs the ferry?\n")
+    db = str(tmp_path / "p.db")
+    commands = [["ingest", "doc.txt", "q.txt", "--template", "judge"], ["status", "--json"],
+                ["export", "out.jsonl", "--all"], ["export", "out.csv", "--all"]]
     probe = (
-        "import sys\n"
+        "import json, sys\n"
         "from typer.testing import CliRunner\n"
         "from ppqa.cli.app import app\n"
-        f"r = CliRunner().invoke(app, ['--db', {str(tmp_path / 'p.db')!r}, 'status', '--json'])\n"
-        "assert r.exit_code == 0, r.output\n"
-        "heavy = [m for m in ('torch', 'transformers', 'triton', 'ppqa.engine') if m in sys.modules]\n"
-        "print(heavy)\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        f"for args in {commands!r}:\n"
+        f"    r = CliRunner().invoke(app, ['--db', {db!r}, *args])\n"
+        "    assert r.exit_code == 0, (args, r.output)\n"
+        f"    print(json.dumps([args[0], [m for m in {HEAVY!r} if m in sys.modules]]))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines == [[args[0], []] for args in commands]
+    assert (tmp_path / "out.jsonl").read_text().count("\n") == 2  # the two questions, unanswered
