@@ -1,5 +1,6 @@
-"""The installed `ppqa` console script in real processes: the main path end to end, exit codes,
-stdout/stderr separation, NO_COLOR, and that store commands never import torch."""
+"""The installed `ppqa` console script in real processes: the main path end to end (ingest, run
+on a tiny model, export: the engine's own answers), exit codes, stdout/stderr separation,
+NO_COLOR, and that the store commands never import torch."""
 
 import csv
 import json
@@ -59,6 +60,43 @@ def test_no_color_is_honoured(run, tmp_path):
     plain = run("jobs", extra_env={"FORCE_COLOR": "1", "NO_COLOR": "1"})
     assert plain.returncode == 0 and "queued" in plain.stdout
     assert not COLOR.search(plain.stdout)
+
+
+def test_ingest_run_export_gives_the_engines_answers(run, tmp_path):
+    """The whole path in real processes on a real SQLite file: `ppqa ingest` -> `ppqa run
+    --once` on a tiny random model on the CPU -> `ppqa export` JSONL. The exported answers are
+    the ones `Engine.answer` gives for the same document, questions, template, greedy sampling,
+    mode and model (the dummy preset's weights come from the engine's seed, the same here)."""
+    from ppqa import Engine, SamplingParams
+
+    document = ("The harbor of Velm opened in 1901. It has three piers, a red lighthouse and a "
+                "ferry that leaves every hour. The harbor master is Ada Rook.\n")
+    questions = {"opened": "When did the harbor open?", "piers": "How many piers are there?",
+                 "master": "Who is the harbor master?", "ferry": "How often does the ferry go?"}
+    (tmp_path / "doc.txt").write_text(document, encoding="utf-8")
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": q, "id": key}) + "\n"
+                                              for key, q in questions.items()), encoding="utf-8")
+    ingest = run("ingest", "doc.txt", "q.jsonl", "--name", "velm", "--template", "qa",
+                 "--mode", "parallel", "--max-new-tokens", "6")
+    assert ingest.returncode == 0, ingest.stderr
+    worker = run("run", "--once", "--json", "--device", "cpu", "--model", "dummy:tiny-mha")
+    assert worker.returncode == 0, worker.stderr
+    assert json.loads(worker.stdout)["jobs_done"] == 1
+    exported = run("export", "answers.jsonl")
+    assert exported.returncode == 0, exported.stderr
+    rows = [json.loads(line) for line in
+            (tmp_path / "answers.jsonl").read_text(encoding="utf-8").splitlines()]
+
+    expected = Engine("dummy:tiny-mha", device="cpu").answer(
+        document, list(questions.values()), mode="parallel", template="qa",
+        sampling=SamplingParams(max_new_tokens=6, temperature=0.0, seed=0))
+    assert [r["question_id"] for r in rows] == list(questions)
+    assert [r["question"] for r in rows] == list(questions.values())
+    assert [r["answer"] for r in rows] == [a.text for a in expected]
+    assert [(r["tokens"], r["finish_reason"]) for r in rows] == \
+        [(len(a.token_ids), a.finish_reason) for a in expected]
+    assert {(r["job"], r["document"], r["model"], r["mode"]) for r in rows} == \
+        {(1, "velm", "dummy:tiny-mha", "parallel")}
 
 
 HEAVY = ("torch", "transformers", "triton", "ppqa.engine")
