@@ -45,7 +45,15 @@ def test_tiny_bench_runs_every_mode_and_writes_json(tmp_path):
     assert set(cell["wall_s"]) == {"stock", "cascade", "parallel", "auto"}
     assert len(cell["runs"]) == 2 * 4  # two passes, four modes, one seed
     assert cell["runs"][3]["mode"] == "auto" and cell["runs"][4]["mode"] == "auto"  # reversed
-    assert all(v > 0 for v in cell["speedups"].values())
+    # Each mode's wall is the mean of its passes; its speedup is stock's wall over its own.
+    for mode, (wall,) in cell["wall_s"].items():
+        passes = [r["wall_s"] for r in cell["runs"] if r["mode"] == mode]
+        assert len(passes) == 2 and wall == pytest.approx(sum(passes) / 2)
+    assert set(cell["speedups"]) == {"cascade", "parallel", "auto"}
+    for mode, speedup in cell["speedups"].items():
+        assert speedup == pytest.approx(cell["wall_s"]["stock"][0] / cell["wall_s"][mode][0])
+        assert cell[f"speedup_{mode}_vs_stock"] == speedup
+    assert cell["chosen"]["0"] == f"{cell['runs'][3]['resolved']}/P={cell['runs'][3]['streams']}"
     assert set(cell["warmup_s"]) == {"stock", "cascade", "parallel", "auto"}
     again = CliRunner().invoke(app, ["bench", "--from", str(out)])
     assert again.exit_code == 0 and "tiny-gqa" in again.output

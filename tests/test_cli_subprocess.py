@@ -1,5 +1,6 @@
-"""The installed `ppqa` console script in real processes: the main path end to end, exit codes,
-stdout/stderr separation, NO_COLOR, and that store commands never import torch."""
+"""The installed `ppqa` console script in real processes: the main path end to end (ingest, run
+on a tiny model, export: the engine's own answers), exit codes, stdout/stderr separation,
+NO_COLOR, and that the store commands never import torch."""
 
 import csv
 import json
@@ -61,15 +62,66 @@ def test_no_color_is_honoured(run, tmp_path):
     assert not COLOR.search(plain.stdout)
 
 
-def test_store_commands_do_not_import_torch(tmp_path):
+def test_ingest_run_export_gives_the_engines_answers(run, tmp_path):
+    """The whole path in real processes on a real SQLite file: `ppqa ingest` -> `ppqa run
+    --once` on a tiny random model on the CPU -> `ppqa export` JSONL. The exported answers are
+    the ones `Engine.answer` gives for the same document, questions, template, greedy sampling,
+    mode and model (the dummy preset's weights come from the engine's seed, the same here)."""
+    from ppqa import Engine, SamplingParams
+
+    document = ("The harbor of Velm opened in 1901. It has three piers, a red lighthouse and a "
+                "ferry that leaves every hour. The harbor master is Ada Rook.\n")
+    questions = {"opened": "When did the harbor open?", "piers": "How many piers are there?",
+                 "master": "Who is the harbor master?", "ferry": "How often does the ferry go?"}
+    (tmp_path / "doc.txt").write_text(document, encoding="utf-8")
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"question": q, "id": key}) + "\n"
+                                              for key, q in questions.items()), encoding="utf-8")
+    ingest = run("ingest", "doc.txt", "q.jsonl", "--name", "velm", "--template", "qa",
+                 "--mode", "parallel", "--max-new-tokens", "6")
+    assert ingest.returncode == 0, ingest.stderr
+    worker = run("run", "--once", "--json", "--device", "cpu", "--model", "dummy:tiny-mha")
+    assert worker.returncode == 0, worker.stderr
+    assert json.loads(worker.stdout)["jobs_done"] == 1
+    exported = run("export", "answers.jsonl")
+    assert exported.returncode == 0, exported.stderr
+    rows = [json.loads(line) for line in
+            (tmp_path / "answers.jsonl").read_text(encoding="utf-8").splitlines()]
+
+    expected = Engine("dummy:tiny-mha", device="cpu").answer(
+        document, list(questions.values()), mode="parallel", template="qa",
+        sampling=SamplingParams(max_new_tokens=6, temperature=0.0, seed=0))
+    assert [r["question_id"] for r in rows] == list(questions)
+    assert [r["question"] for r in rows] == list(questions.values())
+    assert [r["answer"] for r in rows] == [a.text for a in expected]
+    assert [(r["tokens"], r["finish_reason"]) for r in rows] == \
+        [(len(a.token_ids), a.finish_reason) for a in expected]
+    assert {(r["job"], r["document"], r["model"], r["mode"]) for r in rows} == \
+        {(1, "velm", "dummy:tiny-mha", "parallel")}
+
+
+HEAVY = ("torch", "transformers", "triton", "ppqa.engine")
+
+
+def test_ingest_status_and_export_do_not_import_torch(tmp_path):
+    """The store commands run the CLI in one process, one after another; after each, none of the
+    engine's packages has been imported (they take seconds to import, and a queue host may not
+    have them working)."""
+    (tmp_path / "doc.txt").write_text("Marrow Bay has 3 piers.\n")
+    (tmp_path / "q.txt").write_text("How many piers?\nWho runs the ferry?\n")
+    db = str(tmp_path / "p.db")
+    commands = [["ingest", "doc.txt", "q.txt", "--template", "judge"], ["status", "--json"],
+                ["export", "out.jsonl", "--all"], ["export", "out.csv", "--all"]]
     probe = (
-        "import sys\n"
+        "import json, sys\n"
         "from typer.testing import CliRunner\n"
         "from ppqa.cli.app import app\n"
-        f"r = CliRunner().invoke(app, ['--db', {str(tmp_path / 'p.db')!r}, 'status', '--json'])\n"
-        "assert r.exit_code == 0, r.output\n"
-        "heavy = [m for m in ('torch', 'transformers', 'triton', 'ppqa.engine') if m in sys.modules]\n"
-        "print(heavy)\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        f"for args in {commands!r}:\n"
+        f"    r = CliRunner().invoke(app, ['--db', {db!r}, *args])\n"
+        "    assert r.exit_code == 0, (args, r.output)\n"
+        f"    print(json.dumps([args[0], [m for m in {HEAVY!r} if m in sys.modules]]))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines == [[args[0], []] for args in commands]
+    assert (tmp_path / "out.jsonl").read_text().count("\n") == 2  # the two questions, unanswered

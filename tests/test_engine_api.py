@@ -1,11 +1,9 @@
 """The public API's contract: lazy imports, validation, clear errors, `run` with on_error and
-should_stop. Also the small helpers the other engine tests share (tiny engines, a plain template,
-seeded text).
+should_stop, what `mode="auto"` picks. (The helpers the engine tests share are in tests/helpers.py.)
 """
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -13,28 +11,7 @@ from pathlib import Path
 import pytest
 
 from ppqa import Engine, EngineConfig, PromptTooLongError, QuestionRequest, SamplingParams
-
-# A template whose prefix is the document itself and whose suffix is the question itself, so tests
-# control token counts exactly (ByteTokenizer: one token per ASCII character, plus BOS).
-PLAIN_TEMPLATE = "{% block prefix %}{{ document }}{% endblock %}{% block question %}{{ question }}{% endblock %}"
-WORDS = "the of river stone light blue seven north market paper quiet window a is on".split()
-
-
-def plain_template(tmp_path: Path) -> str:
-    path = tmp_path / "plain.jinja"
-    path.write_text(PLAIN_TEMPLATE, encoding="utf-8")
-    return str(path)
-
-
-def text(rng: random.Random, chars: int) -> str:
-    out = ""
-    while len(out) < chars:
-        out += rng.choice(WORDS) + " "
-    return out[:chars]
-
-
-def tiny_engine(preset: str = "tiny-gqa", **config) -> Engine:
-    return Engine(f"dummy:{preset}", device="cpu", config=EngineConfig(**config))
+from tests.helpers import assert_pool_holds_only_cached_documents, plain_template, tiny_engine
 
 
 # ---- import hygiene ---------------------------------------------------------------------------
@@ -176,32 +153,35 @@ def test_should_stop_drops_in_flight_work_and_frees_the_pool(tmp_path: Path) -> 
     got = []
     stats = eng.run(requests, mode="stock", on_answer=lambda r, a: got.append(r.key), should_stop=stop)
     assert stats.stopped and got == [] and stats.questions == 0
-    parts = eng._parts
-    doc_slots = sum(d.length for d in parts.docs._docs.values())
-    assert parts.pool.allocator.num_free == parts.pool.allocator.capacity - doc_slots
-    assert parts.table.num_free_rows == eng.config.max_batch_requests
+    assert_pool_holds_only_cached_documents(eng)
+    assert len(eng.parts.docs) == 1  # the document stays cached for the next run
     # The engine still works afterwards, and the cached document is reused.
     answers = eng.answer("a document", ["question 0"], sampling=sp, template=tmpl)
     assert len(answers[0].token_ids) == 30 and answers[0].finish_reason == "length"
 
 
-def test_auto_mode_choice(tmp_path: Path) -> None:
-    """One question: stock. Several: whatever the cost model predicts (engine/cost_model.py)."""
-    from ppqa.engine.runtime import cost_model
-
+def test_auto_mode_choice() -> None:
+    """One question: stock. Many questions about a long document on the CPU: parallel, which
+    reads the document once per request of P streams rather than once per question, with P > 1
+    (the cost model's choice, runtime/cost_model.py). Either way: stock's answers."""
     eng = tiny_engine()
-    sp = SamplingParams(max_new_tokens=2)
-    one = eng.run([QuestionRequest(0, "doc", "q", sp)], mode="auto")
-    many = eng.run([QuestionRequest(i, "doc " * 50, f"q{i}", sp) for i in range(5)], mode="auto")
+    sp = SamplingParams(max_new_tokens=4)
+    document = "The ferry leaves at seven and returns at nine. " * 40
+    one = eng.run([QuestionRequest(0, document, "When does it leave?", sp)], mode="auto")
     assert (one.mode, one.streams) == ("stock", 1)
-    prompt = eng.tokenizer.prompt("qa", "doc " * 50, [f"q{i}" for i in range(5)])
-    work = cost_model.Workload(len(prompt.prefix_ids), 5,
-                               round(sum(map(len, prompt.suffix_ids)) / 5), 2)
-    mode, p, _ = cost_model.choose(eng.model_config, work, cost_model.DeviceRates.for_device("cpu"),
-                                   ("stock", "parallel"), 4)
-    assert (many.mode, many.streams) == (mode, p)
-    assert eng.run([QuestionRequest(i, "doc", f"q{i}", sp) for i in range(5)], mode="parallel",
-                   streams="auto").mode == "parallel"
+    questions = [f"What happens at hour {i}?" for i in range(8)]
+    auto, stock = {}, {}
+    many = eng.run([QuestionRequest(i, document, q, sp) for i, q in enumerate(questions)],
+                   mode="auto", on_answer=lambda r, a: auto.__setitem__(r.key, a.token_ids))
+    eng.run([QuestionRequest(i, document, q, sp) for i, q in enumerate(questions)],
+            mode="stock", on_answer=lambda r, a: stock.__setitem__(r.key, a.token_ids))
+    assert many.mode == "parallel" and 1 < many.streams <= len(questions)
+    assert auto == stock and len(auto) == len(questions)
+    # streams="auto" with the mode given: the cost model's P, the questions packed by it.
+    par = eng.run([QuestionRequest(i, "doc", f"q{i}", sp) for i in range(5)], mode="parallel",
+                  streams="auto")
+    assert par.mode == "parallel" and 1 < par.streams <= 5
+    assert par.max_batch_requests == -(-5 // par.streams)  # ceil(Q / P) requests
 
 
 def test_pack_streams_balances_requests_and_respects_the_pool() -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from ppqa import Answer, QuestionRequest, SamplingParams
-from tests.test_engine_api import plain_template, text, tiny_engine
+from tests.helpers import (assert_pool_holds_only_cached_documents, plain_template, text,
+                           tiny_engine)
 
 MODELS = ["tiny-mha", "tiny-gqa", "tiny-odd"]
 
@@ -132,7 +133,7 @@ def test_padded_fixed_shape_steps_match(mode: str, streams, tmp_path: Path) -> N
         got, _ = answers_of(eng, requests, mode=mode, streams=streams)
         for key, answer in reference.items():
             assert got[key].token_ids == answer.token_ids, f"{mode}: {key}"
-    assert not eng._parts.table.table[0].any()  # the dummy row still points only at the sink
+    assert not eng.parts.table.table[0].any()  # the dummy row still points only at the sink
 
 
 @pytest.mark.parametrize("mode", ["stock", "parallel", "cascade"])
@@ -154,9 +155,7 @@ def test_small_pool_waits_and_evicts_documents(mode: str, tmp_path: Path) -> Non
             assert stats.prefilled_tokens == question_tokens + doc_tokens
         else:  # the pool cannot keep every document: evicted ones are prefilled again
             assert stats.prefilled_tokens > question_tokens
-    parts = eng._parts
-    assert parts.pool.allocator.num_free == parts.pool.allocator.capacity - sum(
-        d.length for d in parts.docs._docs.values())
+    assert_pool_holds_only_cached_documents(eng)
 
 
 def test_document_cache_persists_across_runs(tmp_path: Path) -> None:

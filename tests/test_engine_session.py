@@ -11,7 +11,7 @@ import pytest
 
 from ppqa import Answer, QuestionRequest, SamplingParams
 from ppqa.engine.runtime.scheduler import Scheduler
-from tests.test_engine_api import plain_template, text, tiny_engine
+from tests.helpers import plain_template, text, tiny_engine
 
 
 def _requests(rng: random.Random, doc: str, count: int, tmpl: str, tag: str

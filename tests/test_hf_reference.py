@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ppqa.engine.loading.loader import load_model
-from tests.fixtures_models import hf_twin
+from tests.helpers import hf_twin
 
 DOCUMENT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "

@@ -11,7 +11,7 @@ import torch
 from ppqa.engine.loading.loader import LazyWeights, ModelLoadError, load_model, preset_names
 from ppqa.engine.loading.presets import PRESETS, weight_shapes
 from ppqa.engine.loading.tokenizer import ByteTokenizer
-from tests.fixtures_models import hf_twin
+from tests.helpers import hf_twin
 
 # Parameter counts of the real models these presets copy (from their model cards / HF configs).
 REAL_PARAMS = {"codellama-7b": 6_738_546_688, "llama-3-8b": 8_030_261_248,

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from ppqa.engine.loading.loader import ModelLoadError, load_model
 from ppqa.engine.loading.presets import weight_shapes
-from tests.fixtures_models import hf_twin
+from tests.helpers import hf_twin
 
 VOCAB_SIZE = 300
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -18,7 +18,7 @@ from ppqa.engine.model.llama import build_model
 from ppqa.engine.loading.presets import dummy_weights, preset_config
 from ppqa.engine.runtime.runner import ModelRunner, StepInputs
 from ppqa.engine.attention.torch_backend import TorchBackend
-from tests.fixtures_models import hf_twin
+from tests.helpers import hf_twin
 
 CPU = torch.device("cpu")
 

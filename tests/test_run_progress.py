@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import io
 from datetime import datetime
+from types import SimpleNamespace
+
+import pytest
 
 from rich.console import Console
 
+from ppqa.cli import run_progress
 from ppqa.cli.run_progress import LogProgress, RichProgress, make_progress
 from ppqa.store.params import GenerationParams
 from ppqa.store.queue import ClaimedJob, ClaimedQuestion
@@ -30,17 +34,23 @@ def _outcome(claim: ClaimedJob, status: str, answered: int) -> JobOutcome:
                       claim.question_count, answered * 5)
 
 
-def test_counts_follow_claims_answers_and_settled_jobs():
+def test_counts_follow_claims_answers_and_settled_jobs(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(run_progress, "time", SimpleNamespace(monotonic=lambda: now[0]))
     sink = LogProgress(Console(file=io.StringIO()), waiting_questions=lambda: 10)
     a, b = _claim(1, 1, 4), _claim(2, 2, 3)
     sink.claimed([a, b])
     c = sink.counters
     assert (c.done, c.total, len(c.in_flight)) == (0, 4 + 3 + 10, 2)
+    now[0] = 130.0  # the first answer waited for the prefill
     sink.answered(a, 5)
     assert c.remaining is None  # one answer gives no pace yet (its wait was the prefill)
     for _ in range(3):
+        now[0] += 2.0
         sink.answered(a, 5)
-    assert c.remaining >= 0
+    # 2 s an answer since the first, 17 - 4 questions left; the prefill's 30 s are not a pace
+    assert c.remaining == pytest.approx((17 - 4) * 2.0)
+    assert c.tokens_per_second == pytest.approx(20 / 36.0)
     sink.answered(b, 5)
     sink.settled(_outcome(a, "done", 4))
     # The failed job's two unanswered questions are no longer this worker's to do.

@@ -2,7 +2,7 @@
 
 Each test queues jobs through the store's Python API, starts workers with `python -m ppqa run`
 (tiny random model `dummy:tiny-mha` on the CPU, so a worker is ready in about a second) and then
-reads the store to check the promises of issue 5: every question ends with exactly one answer,
+reads the store to check what the worker promises: every question ends with exactly one answer,
 no job is claimed by two workers, none is lost or left `running`. The crash and concurrency
 tests run on SQLite and on the PostgreSQL server at 127.0.0.1:5432 (conftest's `db_location`: a
 fresh schema per test); without a reachable server the PostgreSQL cases are skipped with a

@@ -12,7 +12,7 @@ import torch
 
 from ppqa import SamplingParams
 from ppqa.engine.runtime.sampling import SamplingBatch, counter_uniform, sample
-from tests.test_engine_api import plain_template, text, tiny_engine
+from tests.helpers import plain_template, text, tiny_engine
 
 
 def batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, seeds=None, steps=None) -> SamplingBatch:
@@ -114,8 +114,8 @@ def test_stop_strings_eos_and_length(mode: str, tmp_path: Path) -> None:
                                SamplingParams(max_new_tokens=5, ignore_eos=True)])
     assert got[0].finish_reason == "stop" and got[0].text == free.text[:cut]
     assert got[0].token_ids == free.token_ids[:len(got[0].token_ids)]
-    assert eng.tokenizer.decode(got[0].token_ids).find(stop) >= 0
-    assert eng.tokenizer.decode(got[0].token_ids[:-1]).find(stop) < 0
+    assert stop in eng.tokenizer.decode(got[0].token_ids)  # its last token completed the stop
+    assert stop not in eng.tokenizer.decode(got[0].token_ids[:-1])
     assert got[1].finish_reason == "length" and got[1].token_ids == free.token_ids[:5]
     # EOS: a token greedy emits at position 6 ends the answer there (not included), unless ignored.
     eos = free.token_ids[6]

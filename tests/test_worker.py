@@ -62,10 +62,12 @@ def test_answers_are_the_engines_and_each_job_gets_a_report(sqlite_db, add_job, 
 
     assert {j: s[0] for j, s in _jobs(sqlite_db).items()} == {short: "done", longer: "done",
                                                                other: "done"}
-    expected = engine.answer(DOC, questions, sampling=SamplingParams(max_new_tokens=5, seed=0))
-    assert _stored_answers(sqlite_db, short) == [a.text for a in expected]
-    expected = engine.answer(DOC, questions[:2], sampling=SamplingParams(max_new_tokens=9, seed=3))
-    assert _stored_answers(sqlite_db, longer) == [a.text for a in expected]
+    expected = {short: engine.answer(DOC, questions,
+                                     sampling=SamplingParams(max_new_tokens=5, seed=0)),
+                longer: engine.answer(DOC, questions[:2],
+                                      sampling=SamplingParams(max_new_tokens=9, seed=3))}
+    for job_id, answers in expected.items():
+        assert _stored_answers(sqlite_db, job_id) == [a.text for a in answers]
 
     with sqlite_db.read() as conn:
         reports = {r.job_id: r for r in conn.execute(select(Report))}
@@ -81,6 +83,8 @@ def test_answers_are_the_engines_and_each_job_gets_a_report(sqlite_db, add_job, 
         assert report.prefill_seconds > 0 and report.decode_seconds > 0
         assert report.prefill_seconds + report.decode_seconds <= report.wall_seconds * 1.5
     assert reports[short].questions == 3 and reports[longer].questions == 2
+    for job_id, answers in expected.items():  # the tokens the engine generated for the job
+        assert reports[job_id].answer_tokens == sum(len(a.token_ids) for a in answers)
     # A mode per document group: the velm jobs were decoded together, one question alone is stock.
     assert reports[short].mode == reports[longer].mode in ("parallel", "stock")
     assert reports[other].mode == "stock"

@@ -56,6 +56,12 @@ class Engine:
         self._seeds = random.Random(self.config.seed)
 
     @property
+    def parts(self) -> EngineParts:
+        """The built parts (model, KV pool, req_to_token table, document cache, backend, runner),
+        read-only, for inspection: work goes through `answer`, `run` and `session`."""
+        return self._parts
+
+    @property
     def kv_capacity(self) -> int:
         """Tokens one request (document + questions + answers) may occupy at most."""
         return min(self._parts.pool.allocator.capacity, self._parts.table.max_row_len)

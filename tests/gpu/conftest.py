@@ -1,9 +1,6 @@
-"""GPU-only tests: skipped without CUDA. They reuse the kernel tests' input builders."""
+"""GPU-only tests: skipped without CUDA (their pure-Python neighbours live in the CPU files)."""
 
 import os
-import sys
 
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))

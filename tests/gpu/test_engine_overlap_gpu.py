@@ -9,8 +9,7 @@ import torch
 
 from ppqa import Engine, QuestionRequest, SamplingParams
 from ppqa.config import EngineConfig
-from tests.test_engine_api import plain_template
-from tests.test_engine_overlap import run, workload
+from tests.helpers import answers_by_key, overlap_workload, plain_template
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -19,17 +18,18 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("mode,streams", [("stock", None), ("cascade", None), ("parallel", 4)])
 def test_step_in_flight_on_the_gpu(mode, streams, tmp_path):
     tmpl = plain_template(tmp_path)
-    requests = workload(random.Random(mode), tmpl)
+    requests = overlap_workload(random.Random(mode), tmpl)
     engines = {overlap: Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
                                config=EngineConfig(seed=3, overlap_steps=overlap, mem_fraction=0.05))
                for overlap in (True, False)}
-    probe = run(engines[False], [QuestionRequest(r.key, r.document, r.question,
-                                                 SamplingParams(max_new_tokens=8, ignore_eos=True),
-                                                 tmpl) for r in requests], mode="stock")
+    eight_tokens = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    probe = answers_by_key(engines[False], [QuestionRequest(r.key, r.document, r.question,
+                                                            eight_tokens, tmpl) for r in requests],
+                           mode="stock")
     firsts = [ids[1] for ids, _, _ in probe.values() if len(ids) > 2]
     eos = max(set(firsts), key=firsts.count)  # a token some answers emit early
     for eng in engines.values():
         eng.tokenizer.eos_token_ids = [eos]
-    reference = run(engines[False], requests, mode=mode, streams=streams)
-    assert run(engines[True], requests, mode=mode, streams=streams) == reference
+    reference = answers_by_key(engines[False], requests, mode=mode, streams=streams)
+    assert answers_by_key(engines[True], requests, mode=mode, streams=streams) == reference
     assert "stop" in {reason for _, reason, _ in reference.values()}

@@ -24,9 +24,9 @@ def test_flashinfer_decode_matches_ours_on_every_step(model, tensor_cores, monke
 
     eng = Engine(f"dummy:{model}", device="cuda",
                  config=EngineConfig(attention_backend="flashinfer", mem_fraction=0.2))
-    backend = eng._parts.backend
+    backend = eng.parts.backend
     assert isinstance(backend, FlashInferBackend) and backend.tensor_cores == tensor_cores
-    assert eng._parts.runner.graphs is None
+    assert eng.parts.runner.graphs is None
     errors = []
     flashinfer_forward = FlashInferBackend.forward
 

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_inputs import Pool, decode_step, parallel_step
 
 from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata
 from ppqa.engine.attention.triton_backend import TritonBackend
+from tests.kernels.kernel_inputs import Pool, decode_step, parallel_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

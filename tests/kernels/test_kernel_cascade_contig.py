@@ -1,5 +1,6 @@
 """The shared-prefix (cascade document) kernel with contiguous documents (doc_starts) against the
-float64 reference; and the wave-filling split count it is launched with."""
+float64 reference, at the planned split count and forced ones (the planners' promises are
+checked in test_split_plans.py)."""
 
 import math
 
@@ -9,7 +10,6 @@ from checks import DEVICE, DTYPES, HEADS, ON_GPU, assert_close_to_ref, case_id, 
 from contig_inputs import junk_document, plan_takes
 from kernel_inputs import Pool, decode_step
 
-from ppqa.kernels import _arch
 from ppqa.kernels._arch import Tiles
 from ppqa.kernels.cascade import shared_prefix_attention, shared_prefix_attention_ref
 
@@ -65,17 +65,3 @@ def test_contiguous_prefix_matches_reference(case, heads, dtype, sharp):
         assert_close_to_ref(o, ref_o, dtype, f"{what} o")
         assert_close_to_ref(lse, ref_lse, max(dtype, torch.float32, key=DTYPES.index),
                             f"{what} lse")
-
-
-def test_wave_splits_fill_the_gpu(monkeypatch):
-    """On 132 SMs: the H200 cascade shapes at 16k/256 (64 and 60 programs) take 2 splits (one
-    wave), 32 programs 4; short documents cap the count; a full grid stays whole."""
-    monkeypatch.setattr(_arch, "num_sms", lambda device: 132)
-    cpu = torch.device("cpu")
-    assert _arch.wave_splits(64, 16384, cpu) == 2  # CodeLlama: 2 query tiles x 32 heads
-    assert _arch.wave_splits(60, 16384, cpu) == 2  # Qwen2.5: 15 query tiles x 4 KV heads
-    assert _arch.wave_splits(32, 16384, cpu) == 4
-    assert _arch.wave_splits(32, 600, cpu) == 3  # >= MIN_SPLIT_TOKENS keys a split
-    assert _arch.wave_splits(132, 16384, cpu) == 1
-    assert _arch.wave_splits(140, 16384, cpu, split_cap=2) == 2  # best fill under the cap
-    assert _arch.wave_splits(64, 16384, cpu, ctas_per_sm=2) == 4

@@ -63,24 +63,3 @@ def test_doc_start_and_doc_len_go_together():
                          torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
                          *(torch.zeros(1, dtype=torch.int32, device=DEVICE),) * 3, 1.0,
                          doc_start=torch.zeros(1, dtype=torch.int32, device=DEVICE))
-
-
-def test_stock_rows_split_into_bounded_pieces(monkeypatch):
-    """On a GPU of 132 SMs a stock row is cut into pieces of <= DECODE_PIECE_KEYS keys even when
-    the requests alone fill the GPU (run 4: 1 -> 5 splits took CodeLlama 16k/256 6.82 -> 6.63 ms a
-    layer); the cascade suffix (whole_rows=False) keeps the fill rule, since its bound is the
-    whole row but it reads only the tail; the scratch's capacity caps both."""
-    from ppqa.kernels import _arch
-    from ppqa.kernels.decode_attention import decode_splits
-
-    monkeypatch.setattr(_arch, "num_sms", lambda device: 132)
-    monkeypatch.setattr(_arch, "is_gpu", lambda device: True)
-    cpu = torch.device("cpu")
-    codellama, qwen = (32, 32, 128), (28, 4, 128)
-    assert decode_splits(cpu, 256, *codellama, 16384 + 146) == 5
-    assert decode_splits(cpu, 256, *qwen, 16384 + 146) == 5
-    assert decode_splits(cpu, 64, *codellama, 8192 + 146) == 3
-    assert decode_splits(cpu, 256, *codellama, 16384 + 146, whole_rows=False) == 1
-    assert decode_splits(cpu, 256, *codellama, 4000) == 1  # one piece, and the GPU is full
-    assert decode_splits(cpu, 2, *qwen, 4000) == 16  # few requests: fill the GPU (2 waves)
-    assert _arch.decode_row_splits(8192, 16530, cpu, split_cap=3) == 3

@@ -225,6 +225,10 @@ class DocumentCache:
     def __len__(self) -> int:
         return len(self._docs)
 
+    def documents(self) -> list[CachedDocument]:
+        """The cached documents in the order they were cached (a new list of the live documents)."""
+        return list(self._docs.values())
+
     def get(self, token_ids: list[int], key: bytes | None = None) -> CachedDocument | None:
         """The cached document with these tokens (`key`: their `document_key`, if known)."""
         return self._docs.get(key or document_key(token_ids))

@@ -1,0 +1,108 @@
+"""Helpers the tests share: tiny CPU engines, a template that makes token counts exact, seeded
+text, the workload of the step-in-flight tests, a transformers twin of one of our models, and a
+look at what an engine's KV pool holds after a run.
+
+Imported as `from tests.helpers import ...` (pyproject's `pythonpath = ["."]`); test files import
+from here, never from one another. Fixtures live in conftest.py and fixtures_models.py.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+# A template whose prefix is the document itself and whose suffix is the question itself, so tests
+# control token counts exactly (ByteTokenizer: one token per ASCII character, plus BOS).
+PLAIN_TEMPLATE = "{% block prefix %}{{ document }}{% endblock %}{% block question %}{{ question }}{% endblock %}"
+WORDS = "the of river stone light blue seven north market paper quiet window a is on".split()
+
+
+def plain_template(tmp_path: Path) -> str:
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN_TEMPLATE, encoding="utf-8")
+    return str(path)
+
+
+def text(rng: random.Random, chars: int) -> str:
+    out = ""
+    while len(out) < chars:
+        out += rng.choice(WORDS) + " "
+    return out[:chars]
+
+
+def tiny_engine(preset: str = "tiny-gqa", **config):
+    from ppqa import Engine, EngineConfig
+
+    return Engine(f"dummy:{preset}", device="cpu", config=EngineConfig(**config))
+
+
+def overlap_workload(rng: random.Random, tmpl: str) -> list:
+    """Two documents of nine questions each; answers of 1 to 6 tokens, some greedy and some
+    sampled (seeded), some with a stop string: streams end by EOS, stop and budget mid-batch."""
+    from ppqa import QuestionRequest, SamplingParams
+
+    docs = [text(rng, n) for n in (150, 60)]
+    requests = []
+    for d, doc in enumerate(docs):
+        for q in range(9):
+            stop = ("e",) if q % 4 == 1 else ()  # a common letter: some answers stop on it
+            sp = SamplingParams(max_new_tokens=rng.randint(1, 6), stop=stop,
+                                temperature=0.9 if q % 3 == 0 else 0.0, seed=100 * d + q)
+            requests.append(QuestionRequest((d, q), doc, text(rng, rng.randint(2, 12)), sp, tmpl))
+    return requests
+
+
+def answers_by_key(engine, requests, **run_kwargs) -> dict:
+    """`engine.run(requests)`: request key -> (token ids, finish reason, text), every one answered."""
+    got = {}
+    engine.run(requests, on_answer=lambda r, a: got.__setitem__(r.key, a), **run_kwargs)
+    assert len(got) == len(requests)
+    return {k: (a.token_ids, a.finish_reason, a.text) for k, a in got.items()}
+
+
+def assert_pool_holds_only_cached_documents(engine) -> None:
+    """After a run (finished, stopped or failed): every KV slot and table row has come back but
+    the cached documents' slots, and no request still holds a document."""
+    parts = engine.parts
+    cached = parts.docs.documents()
+    assert parts.pool.allocator.num_free == parts.pool.allocator.capacity - sum(
+        d.length for d in cached)
+    assert parts.table.num_free_rows == engine.config.max_batch_requests
+    assert all(d.ref_count == 0 for d in cached)
+
+
+def hf_config(config):
+    """A transformers config equivalent to our `ModelConfig` (Qwen2 for q/k/v bias, else Llama)."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling:
+        rope = {**config.rope_scaling, "rope_theta": config.rope_theta}
+        rope["rope_type"] = rope.pop("type", None) or rope["rope_type"]
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                  intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                  num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                  head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+                  max_position_embeddings=config.max_position_embeddings,
+                  tie_word_embeddings=config.tie_word_embeddings, rope_parameters=rope)
+    if config.attention_bias:
+        return transformers.Qwen2Config(**common)
+    return transformers.LlamaConfig(attention_bias=False, **common)
+
+
+def hf_twin(config, weights):
+    """A transformers causal LM built from `config`, holding exactly `weights` (fp32, eval mode):
+    the reference the loader and model tests compare with."""
+    import transformers
+
+    hc = hf_config(config)
+    cls = transformers.Qwen2ForCausalLM if config.attention_bias else transformers.LlamaForCausalLM
+    model = cls(hc).eval()
+    state = {name: w.float() for name, w in weights}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # A tied model's lm_head is the embedding: transformers lists it as missing but shares it.
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
