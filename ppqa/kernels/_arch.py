@@ -142,16 +142,6 @@ def use_tma(device: torch.device) -> bool:
     return is_gpu(device) and _capability(device) >= (9, 0)
 
 
-def overlapped_prefix_tma(group: int) -> bool | None:
-    """The prefix kernel's `tma` when it runs beside the cascade suffix decode (None: use_tma).
-    Runs 5-7 kept pointer loads there for MHA (with `softmax_update` its TMA variant left room
-    for fewer suffix CTAs: CodeLlama 0.300 ms a layer with TMA vs 0.274 without at 16k/256 and
-    61-token questions). Run 8, with the folded softmax and 11-token questions (kernels.py
-    --sweep-cascade, a layer): TMA beside is faster at both steps measured, CodeLlama 0.187 vs
-    0.198 ms at t = 24 and 0.230 vs 0.243 at t = 101; Qwen2.5 ties (0.150 / 0.154)."""
-    return None
-
-
 def kv_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor, block_n: int,
                    tma: bool | None = None):
     """Tensor descriptors of the K and V pools viewed as [slots, heads x head_dim], a block
@@ -185,16 +175,6 @@ def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
     if dtype == torch.float32:
         return Tiles(16, 32, 4, 2)
     return Tiles(min(want_m, 64), 32, 4, 2)
-
-
-def prefix_softmax(device: torch.device) -> str:
-    """The contiguous shared-prefix kernel's softmax step (launch_shared_prefix's `softmax`).
-
-    H200, run 8 (kernels.py --sweep-cascade, 16k/256, 11-token questions, t = 24, a layer of
-    the overlapped step): "fold" 0.198 ms against "update" 0.213 on CodeLlama (Qwen2.5 0.149,
-    a tie). A lazy rescale (acc rescaled only when a row maximum grows past a slack) was
-    slower, 0.221 / 0.172 (the document alone 0.180 against 0.155), and is gone."""
-    return "fold"
 
 
 def contig_prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:

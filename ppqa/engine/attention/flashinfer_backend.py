@@ -54,10 +54,11 @@ def paged_kv_table(req_to_token: torch.Tensor, req_indices: torch.Tensor,
 
 class FlashInferBackend(TritonBackend):
     def __init__(self, pool, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 scratch_bytes: int | None = None) -> None:
-        import flashinfer  # engine_setup._check_flashinfer has said why it may be missing
+                 scratch_bytes: int | None = None, overlap: bool = True) -> None:
+        import flashinfer  # engine/setup.py's _check_flashinfer has said why it may be missing
 
-        super().__init__(pool, num_heads, num_kv_heads, head_dim, sm_scale, scratch_bytes)
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, sm_scale, scratch_bytes,
+                         overlap)
         group = num_heads // num_kv_heads
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.tensor_cores = group not in CUDA_CORE_GROUPS
