@@ -1,6 +1,6 @@
 """Model configuration: the one description of a Llama-family architecture.
 
-Loaders (`engine/loader.py`) produce a `ModelConfig` from a Hugging Face `config.json`, GGUF
+Loaders (`engine/loading/`) produce a `ModelConfig` from a Hugging Face `config.json`, GGUF
 metadata or a `dummy:` preset; the model (`engine/model/llama.py`) and the KV pool read it.
 Weight names follow Hugging Face's Llama naming (`model.layers.N.self_attn.q_proj.weight`, ...),
 whatever the source, so every loader hands the model the same state dict.
