@@ -31,9 +31,8 @@ CONTIG_SWEEP = {
     # pointer loads (RESULTS.md, "TMA against pointer loads")
     "prefix": [(128, 64, 8, 3), (128, 64, 8, 3, PTR), (64, 64, 4, 3), (64, 64, 4, 4),
                (64, 32, 4, 3),
-               # the update softmax step (_tile.softmax_update) against the default "fold"
-               # (RESULTS.md, "Cascade's decode step"), and longer key tiles
-               (128, 64, 8, 3, {"softmax": "update"}), (128, 128, 8, 2)],
+               # longer key tiles
+               (128, 128, 8, 2)],
     "extend": [(64, 64, 4, 3), (64, 64, 4, 3, PTR), (64, 32, 4, 3), (64, 32, 4, 3, PTR),
                (32, 64, 4, 3), (64, 64, 4, 4)],
     # the stock decode (one query per question): one warp x 32 keys x 3 stages with TMA is the
@@ -177,26 +176,18 @@ def print_contig(rows: list[dict]) -> None:
 # --sweep-cascade: cascade's whole decode step of attention (TritonBackend.forward: K/V store,
 # the document part beside or before the suffix, the merge) over variants of the document
 # part's tile, its TMA switch, its split count and the side stream's priority; and each part
-# alone. (label, tiles or None = _arch's, tma beside the suffix (None = _arch's), overlap,
-# document splits (None = planned), side stream priority, softmax step (None = _arch's))
+# alone. (label, tiles or None = _arch's, tma (None = _arch.use_tma), overlap, document splits
+# (None = planned), side stream priority)
 CASCADE_VARIANTS = [
-    ("now", None, None, True, None, -1, None),
-    ("serial", None, None, False, None, -1, None),
-    ("128x64x8x3 tma", (128, 64, 8, 3), True, True, None, -1, None),
-    ("64x64x4x3 ptr", (64, 64, 4, 3), False, True, None, -1, None),
-    ("64x64x4x3 tma", (64, 64, 4, 3), True, True, None, -1, None),
-    ("64x64x4x3 serial", (64, 64, 4, 3), None, False, None, -1, None),
-    # the folded softmax step (_tile.softmax_fold, the default) against the update step
-    # (RESULTS.md, "Cascade's decode step")
-    ("update", None, None, True, None, -1, "update"),
-    ("128x64x8x3 tma update", (128, 64, 8, 3), True, True, None, -1, "update"),
-    ("128x64x8x3 tma fold", (128, 64, 8, 3), True, True, None, -1, "fold"),
-    ("64x64x4x3 tma fold", (64, 64, 4, 3), True, True, None, -1, "fold"),
-    ("serial fold", None, None, False, None, -1, "fold"),
-    ("128x128x8x2 serial fold", (128, 128, 8, 2), None, False, None, -1, "fold"),
+    ("now", None, None, True, None, -1),
+    ("serial", None, None, False, None, -1),
+    ("128x64x8x3 ptr", (128, 64, 8, 3), False, True, None, -1),
+    ("64x64x4x3 ptr", (64, 64, 4, 3), False, True, None, -1),
+    ("64x64x4x3 tma", (64, 64, 4, 3), True, True, None, -1),
+    ("64x64x4x3 serial", (64, 64, 4, 3), None, False, None, -1),
+    ("128x128x8x2 serial", (128, 128, 8, 2), None, False, None, -1),
 ]
-ALONE = ("now", "update", "64x64x4x3 tma", "128x64x8x3 tma fold", "64x64x4x3 tma fold",
-         "128x128x8x2 serial fold")
+ALONE = ("now", "64x64x4x3 tma", "128x128x8x2 serial")
 
 
 def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
@@ -212,24 +203,21 @@ def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> l
     variants = CASCADE_VARIANTS[:2] if smoke else CASCADE_VARIANTS
 
     @contextlib.contextmanager
-    def patched(tiles, tma, softmax):
-        saved = _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma, _arch.prefix_softmax
+    def patched(tiles, tma):
+        saved = _arch.contig_prefix_tiles, _arch.use_tma
         if tiles is not None:
             _arch.contig_prefix_tiles = lambda *a, **k: Tiles(*tiles)
         if tma is not None:
-            _arch.overlapped_prefix_tma = lambda group: tma
-        if softmax is not None:
-            _arch.prefix_softmax = lambda device: softmax
+            _arch.use_tma = lambda device: tma
         try:
             yield
         finally:
-            _arch.contig_prefix_tiles, _arch.overlapped_prefix_tma, _arch.prefix_softmax = saved
+            _arch.contig_prefix_tiles, _arch.use_tma = saved
 
-    for label, tiles, tma, overlap, doc_splits, priority, softmax in variants:
+    for label, tiles, tma, overlap, doc_splits, priority in variants:
         row = {"mode": "cascade_step", "variant": label, "tiles": tiles, "tma": tma,
-               "overlap": overlap, "doc_splits": doc_splits, "priority": priority,
-               "softmax": softmax}
-        with patched(tiles, tma, softmax):
+               "overlap": overlap, "doc_splits": doc_splits, "priority": priority}
+        with patched(tiles, tma):
             backend, meta = grid.stock(cascade=True)
             backend.overlap = overlap
             if backend._side is not None and priority != -1:
@@ -252,12 +240,11 @@ def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> l
                 states = plan.splits + plan.prefix_splits
                 part = backend.scratch.views(grid.questions, grid.num_heads, states,
                                              grid.head_dim)
-                beside = _arch.overlapped_prefix_tma(grid.num_heads // grid.num_kv_heads)
                 row["doc_alone_ms"] = round(bench_replay(lambda: launch_shared_prefix(
                     grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
                     casc.doc_req_indices, casc.doc_lens, casc.max_group_size, backend.sm_scale,
                     plan.prefix_splits, *part, state_offset=plan.splits,
-                    doc_starts=backend._doc_starts(casc), tma=beside)), 4)
+                    doc_starts=backend._doc_starts(casc))), 4)
                 row["suffix_alone_ms"] = round(bench_replay(lambda: launch_decode(
                     grid.q, grid.k, grid.v, meta.req_to_token, meta.req_indices, meta.kv_start,
                     meta.prefix_lens, backend.sm_scale, plan.splits, part_o=part[0],

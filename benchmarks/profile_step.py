@@ -29,7 +29,6 @@ from ppqa.engine import engine as engine_module
 from ppqa.engine.runtime.graph_runner import GraphCache
 from ppqa.engine.runtime.runner import ModelRunner
 from ppqa.engine.runtime.scheduler import Scheduler
-from ppqa.engine.attention.triton_backend import TritonBackend
 
 HOST_PHASES = {
     Scheduler: ("decode_step", "postprocess", "prefill_step", "admit"),
@@ -221,11 +220,11 @@ def main() -> None:
                         help="keep the questions' common opening per question "
                              "(EngineConfig.share_question_prefix=False, the workload before 2026-12-01)")
     args = parser.parse_args()
-    TritonBackend.overlap = not args.serial_cascade
 
     t0 = time.perf_counter()
     engine = Engine(args.model, config=EngineConfig(cuda_graphs=torch.cuda.is_available(),
-                                                    share_question_prefix=not args.apart))
+                                                    share_question_prefix=not args.apart,
+                                                    overlap_cascade=not args.serial_cascade))
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     document, questions = make_workload(engine.tokenizer, args.doc_tokens, args.questions, seed=0)
     sampling = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)

@@ -1,6 +1,6 @@
 """ppqa: answer many questions about one long document with a local LLM, fast.
 
-Public API (see DESIGN.md):
+Public API (ARCHITECTURE.md maps the rest):
 
     from ppqa import Engine, SamplingParams
     eng = Engine("smollm2", device="cpu")

@@ -84,6 +84,9 @@ class EngineConfig:
     # Keep one decode step in flight: build and launch step t+1 before reading step t's tokens
     # (the host work hides behind the GPU). False reads every step back before the next.
     overlap_steps: bool = True
+    # Cascade decode (Triton backend, GPU): the document product runs on a side stream beside
+    # the suffix decode, one bound by tensor cores and the other by memory. False: in sequence.
+    overlap_cascade: bool = True
     # The tokens that every question of a document opens with (the template's "Question: ",
     # a shared instruction) join the document's cached prefix: prefilled once, read once per
     # step by cascade and parallel, instead of once per question. False keeps them per question.

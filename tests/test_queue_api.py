@@ -74,8 +74,8 @@ def test_answers_are_unique_per_question(any_db, add_job):
     add_job(any_db)
     claim = queue.claim_jobs(any_db, "w1", 60)[0]
     qid = claim.questions[0].id
-    assert queue.record_answer(any_db, qid, "first", 2, "stop", first_token_seconds=0.1,
-                               total_seconds=0.5, worker_id="w1") is True
+    assert queue.record_answer(any_db, qid, "first", 2, "stop", total_seconds=0.5,
+                               worker_id="w1") is True
     assert queue.record_answer(any_db, qid, "second", 9, "length", worker_id="w2") is False
     with any_db.read() as conn:
         rows = conn.execute(select(Answer.text, Answer.worker).where(Answer.question_id == qid)).all()

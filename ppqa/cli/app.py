@@ -3,14 +3,13 @@
 `main()` is the console script. The app's callback takes the global options (`--db`, also
 PPQA_DB; `--version`) and leaves the store location in `ctx.obj` for `common.open_store`.
 Each module in COMMAND_MODULES defines `app = typer.Typer()`; modules with a group name become a
-sub-command group (`ppqa models list`), the others add their commands at the top level. A module
-not written yet is skipped. Importing this file must not import torch: modules import heavy
-libraries inside the commands that need them.
+sub-command group (`ppqa models list`), the others add their commands at the top level.
+Importing this file must not import torch: modules import heavy libraries inside the commands
+that need them.
 """
 
 import importlib
 import importlib.metadata
-import importlib.util
 from typing import Annotated
 
 import typer
@@ -84,10 +83,7 @@ def _global_options(
 
 def _register() -> None:
     for module_name, group in COMMAND_MODULES:
-        full_name = f"ppqa.cli.{module_name}"
-        if importlib.util.find_spec(full_name) is None:
-            continue  # a command another part of the project has not added yet
-        module = importlib.import_module(full_name)
+        module = importlib.import_module(f"ppqa.cli.{module_name}")
         if group is None:
             app.add_typer(module.app)
         else:

@@ -1,4 +1,4 @@
-"""`ppqa bench`: the paper's grid (or any part of it), timed paired and seeded; see ppqa/bench.py."""
+"""`ppqa bench`: the paper's grid or any part of it, timed paired and seeded (ppqa/bench/grid.py)."""
 
 import shlex
 import sys
@@ -60,7 +60,8 @@ def bench(
         help="Replay decode steps from CUDA graphs (GPU, Triton backend).")] = True,
     share_opening: Annotated[bool, typer.Option(
         help="Cache the questions' common opening with the document (the engine's default); "
-             "--no-share-opening keeps it in every question, as runs before run 8 did.")] = True,
+             "--no-share-opening keeps it in every question (prefilled and read per "
+             "question).")] = True,
     out: Annotated[Path, typer.Option(help="Results JSON (rewritten after every cell).")]
     = Path("bench.json"),
     plot: Annotated[Path | None, typer.Option(help="Also write a PNG plot of speedups here.",

@@ -1,6 +1,6 @@
 """`ppqa models`: fetch the embedded model and show what can be loaded.
 
-A thin layer over `engine/model_cache.py`: `pull NAME` fetches an embedded model into
+A thin layer over `engine/loading/model_cache.py`: `pull NAME` fetches an embedded model into
 `$PPQA_HOME/models`; `list` shows embedded models (cached or not, with their path), the `dummy:`
 presets and any .gguf files or Hugging Face directories in the cache, as a table on stdout or as
 JSON with `--json`. Imports no torch at module import time (the model cache and presets are

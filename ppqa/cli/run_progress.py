@@ -1,6 +1,6 @@
 """How `ppqa run` shows a worker's progress on stderr: Rich bars on a terminal, log lines elsewhere.
 
-Both renderers are `ProgressSink`s fed by the worker (`ppqa/worker.py`) from its main thread and
+Both renderers are `ProgressSink`s fed by the worker (`worker/loop.py`) from its main thread and
 its heartbeat thread. `Counters` keeps what both show: questions done of total (total = what this
 worker has claimed plus what still waits in the queue, re-read at each claim), answer tokens per
 second since the first claim, and the remaining time at that pace. `RichProgress` draws an

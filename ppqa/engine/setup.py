@@ -10,7 +10,6 @@ backend (torch, or Triton or FlashInfer imported lazily) and the runner. `Engine
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +32,6 @@ class EngineParts:
     dtype: torch.dtype
     model: LlamaModel
     tokenizer: object
-    source: str
     pool: KVPool
     table: ReqToTokenTable
     docs: DocumentCache
@@ -63,28 +61,20 @@ def _check_flashinfer(device: torch.device, config: EngineConfig) -> None:
                          "0.2.x source release; see benchmarks/flashinfer_device.sh)") from e
 
 
-def _make_backend(name: str, device: torch.device, pool: KVPool, model: LlamaModel):
+def _make_backend(config: EngineConfig, device: torch.device, pool: KVPool, model: LlamaModel):
     cfg = model.config
     args = (pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+    name = config.attention_backend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-        if name == "triton":
-            try:
-                import ppqa.engine.attention.triton_backend  # noqa: F401
-            except ModuleNotFoundError as e:
-                if e.name != "ppqa.engine.attention.triton_backend":
-                    raise
-                warnings.warn("ppqa.engine.attention.triton_backend is not available; using the torch "
-                              "attention backend on the GPU", stacklevel=3)
-                name = "torch"
     if name == "triton":
         from ppqa.engine.attention.triton_backend import TritonBackend
 
-        return name, TritonBackend(*args)
+        return name, TritonBackend(*args, overlap=config.overlap_cascade)
     if name == "flashinfer":
         from ppqa.engine.attention.flashinfer_backend import FlashInferBackend
 
-        return name, FlashInferBackend(*args)
+        return name, FlashInferBackend(*args, overlap=config.overlap_cascade)
     from ppqa.engine.attention.torch_backend import TorchBackend
 
     return name, TorchBackend(*args)
@@ -111,15 +101,14 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
                   device=dev)
     row_len = config.max_row_tokens or 4 * mc.max_position_embeddings
     table = ReqToTokenTable(config.max_batch_requests, min(num_slots, row_len), dev)
-    backend_name, backend = _make_backend(config.attention_backend, dev, pool, model)
+    backend_name, backend = _make_backend(config, dev, pool, model)
     # Graphs need a backend that never syncs with the host inside a step: the Triton one.
     graphs = (dev.type == "cuda" and backend_name == "triton" if config.cuda_graphs is None
               else config.cuda_graphs)
     config = dataclasses.replace(config, device=str(dev), dtype=dtype_name,
                                  attention_backend=backend_name, cuda_graphs=graphs)
     return EngineParts(model_name=model_name, config=config, device=dev, dtype=torch_dtype,
-                       model=model, tokenizer=loaded.tokenizer,
-                       source=getattr(loaded, "source", model_name), pool=pool, table=table,
+                       model=model, tokenizer=loaded.tokenizer, pool=pool, table=table,
                        docs=DocumentCache(pool.allocator, pool.copy_slots), backend=backend,
                        runner=ModelRunner(model, pool, table, backend, dev,
                                           cuda_graphs=graphs and dev.type == "cuda"))

@@ -74,26 +74,18 @@ def extend_tiles(device: torch.device, dtype: torch.dtype, rows: int,
     """Tiles for the extend kernel; `rows` = query rows one request needs (tokens x group);
     contiguous: the launch passes doc_start/doc_len (the document read by cp.async copies).
 
-    sm_90, bf16/fp16 (NOTES.md, run 2): decode steps are fastest with 16-32 query rows x 64
-    keys and 8 warps (P=32 at 16k/256: 0.97 ms vs 2.38 ms with 64 x 32, on both models); the
-    two-stage kernel spills past that (compile_check.py). Prefills (many rows, compute-bound)
-    take 64 x 64 (8 warps, 2 stages when gathering; unmeasured). fp32 (exact "ieee" dots, tests
-    only) uses the smallest tiles that compile without spills.
-    Contiguous documents, decode steps (H200 sweep, CUDA graph replays, P=32 at 16k/256;
-    gather 0.97 / 0.95 ms): 4 warps, 3 stages, two CTAs an SM. MHA 64 x 64: 0.52 ms vs 0.57
-    for 32 x 64 and 0.65 for 64 x 32; 252-254 registers, no spills while one query tile holds
-    the request (P <= 64); two tiles (question prefill chunks) spill 48 bytes, outside the
-    document and gather loops (SASS). GQA 64 x 32 (231 registers, no spills): 0.37 ms; 64 x 64
-    ran 0.35 but spills 40 bytes. 32 x 64 x 8 warps x 2 stages, the gather loop's tile, ran
-    slower with the document loop than without it (1.33 ms). P=16 / 64: 0.84 / 0.46 ms
-    (gather 1.58 / 1.18) CodeLlama, 0.30 / 0.52 (0.86 / 1.16) Qwen2.5.
-    Run 5, the document's tiles through TMA (`use_tma`): P=32 at 16k/256 0.52 -> 0.44 ms
-    CodeLlama; GQA 64 x 64 0.298 ms vs 0.340 for 64 x 32 (pointer loads: 0.349 vs 0.375), so
-    both models now take 64 x 64 (the GQA variant spills 8 bytes with TMA, 40 without).
-    Run 6, parallel's question prefill with a contiguous document (kernels.py --sweep-prefill,
-    P=32, 28-token questions): 4 warps x 3 stages 0.62 ms a layer at 8k/64 against 1.69 for
-    8 x 2 (CodeLlama; 3.80 vs 11.36 at 16k/256, 507 TFLOP/s; Qwen2.5 alike); 128 x 64 x 8 x 3
-    0.67 / 4.03. So prefills over a contiguous document take the decode steps' tile too.
+    Contiguous documents, sm_90, bf16/fp16: 64 x 64, 4 warps, 3 stages (two CTAs an SM), for
+    decode steps and prefills alike, the fastest of the tiles swept (kernels.py --sweep-extend
+    and --sweep-prefill) on MHA and GQA: parallel's decode step at P=32, 16k/256 takes 0.44 /
+    0.30 ms a layer under TMA, its question prefill runs at 508 TFLOP/s against 170 for
+    64 x 64 x 8 warps x 2 stages (benchmarks/RESULTS.md, 'TMA against pointer loads' and
+    'Parallel's question prefill tile').
+    It takes 252-254 registers (MHA) with no spills while one query tile holds the request
+    (P <= 64); a second tile (question prefill chunks) spills 48 bytes outside the key loops.
+    Gathered rows (no document hints): decode steps take 16-32 query rows x 64 keys x 8 warps
+    x 2 stages, since the two-stage kernel spills past that (compile_check.py); prefills
+    (many rows, compute-bound) take 64 x 64. fp32 (exact "ieee" dots, tests only) uses the
+    smallest tiles that compile without spills.
     """
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
     if not is_gpu(device):
@@ -111,14 +103,13 @@ def decode_tiles(device: torch.device, dtype: torch.dtype, group: int) -> Tiles:
     """Tiles for the paged decode kernel: block_m holds one KV head's query heads.
 
     On a GPU even MHA (one query row) takes the tl.dot path with 16 rows: the multiply-and-sum
-    version reduced across warps every key tile and ran at 3.9 TB/s of requested bytes with no
-    L2 reuse (17.9 ms at 16k/256, run 2). The interpreter keeps the one-row path tested too.
-    bf16/fp16 on sm_90 (run 4 sweeps, graph replays, document hints): one warp x 32 keys x 3
-    stages was the fastest of 7 tiles at 16k/256 and 8k/64 on both models, and within 2-3% of
-    the best of 7 more one-warp tiles at 16k/256 (16 keys x 4 stages: 6.46 / 0.877 ms)
-    (CodeLlama 16k/256 6.57 ms vs 8.18 for 16 x 64 x 4 warps x 2 stages; Qwen2.5 0.90 vs 1.04):
-    the read is L2-bound (the requests share the document's lines), and many small CTAs keep
-    more independent loads in flight than a few wide ones.
+    version reduces across warps every key tile and reads without L2 reuse (17.9 ms a layer at
+    16k/256 on CodeLlama, 3.9 TB/s of requested bytes). The interpreter keeps the one-row path
+    tested too.
+    bf16/fp16 on sm_90: one warp x 32 keys x 3 stages, the fastest of the tiles swept at 16k/256
+    and 8k/64 on both models (kernels.py --sweep-decode; benchmarks/RESULTS.md, 'TMA against
+    pointer loads'): the read is L2-bound (the requests share the document's lines), and many
+    small CTAs keep more independent loads in flight than a few wide ones.
     """
     if not is_gpu(device):
         return Tiles(1 if group == 1 else max(16, triton.next_power_of_2(group)), 128, 4, 1)
@@ -133,23 +124,12 @@ def use_tma(device: torch.device) -> bool:
     through tensor descriptors (the tensor memory accelerator, sm_90 and later) by default;
     elsewhere, and under the interpreter, pointer loads (tests force both paths).
 
-    H200, run 5 (kernels.py --sweep-decode / --sweep-prefix, graph replays, default tiles):
-    stock decode 16k/256 CodeLlama 6.58 -> 6.11 ms a layer, Qwen2.5 0.905 -> 0.661 (SDPA per
-    question 0.789); 8k/64 0.893 -> 0.683, 0.135 -> 0.102 (SDPA 0.109); the cascade document
-    product 16k/256 0.168 -> 0.152 ms, 0.161 -> 0.144. One 2-D copy per K or V tile replaces 32
-    to 64 row copies, and the loop keeps no address registers.
+    One 2-D copy per K or V tile replaces 32 to 64 row copies, and the loop keeps no address
+    registers: on the H200 stock decode is 8-26% faster and parallel's extend ~15%
+    (benchmarks/RESULTS.md, 'TMA against pointer loads'), cascade's document product too
+    ('Cascade's decode step').
     """
     return is_gpu(device) and _capability(device) >= (9, 0)
-
-
-def overlapped_prefix_tma(group: int) -> bool | None:
-    """The prefix kernel's `tma` when it runs beside the cascade suffix decode (None: use_tma).
-    Runs 5-7 kept pointer loads there for MHA (with `softmax_update` its TMA variant left room
-    for fewer suffix CTAs: CodeLlama 0.300 ms a layer with TMA vs 0.274 without at 16k/256 and
-    61-token questions). Run 8, with the folded softmax and 11-token questions (kernels.py
-    --sweep-cascade, a layer): TMA beside is faster at both steps measured, CodeLlama 0.187 vs
-    0.198 ms at t = 24 and 0.230 vs 0.243 at t = 101; Qwen2.5 ties (0.150 / 0.154)."""
-    return None
 
 
 def kv_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor, block_n: int,
@@ -176,25 +156,15 @@ def kv_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor, block_n: int,
 
 
 def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
-    """Tiles for the shared-prefix (cascade) kernel. Sweeps at 16k/256 (NOTES.md): 64 x 64 x 4
-    warps beat 128 x 64 x 8 (0.28 vs 0.35 ms, run 2), and 64 x 32 x 4 beat 64 x 64 x 4 (0.246 vs
-    0.312 ms CodeLlama, 0.230 vs 0.302 Qwen, run 3); the full grid was measured with 64 x 64."""
+    """Tiles for the shared-prefix (cascade) kernel over gathered documents (req_to_token):
+    64 query rows x 32 keys x 4 warps x 2 stages, faster at 16k/256 on both models than
+    64 x 64 x 4 warps and 128 x 64 x 8 warps (H200: 0.25 against 0.31 and 0.35 ms a layer)."""
     want_m = max(16, triton.next_power_of_2(max(rows, 1)))
     if not is_gpu(device):
         return Tiles(min(want_m, 128), 128, 4, 1)
     if dtype == torch.float32:
         return Tiles(16, 32, 4, 2)
     return Tiles(min(want_m, 64), 32, 4, 2)
-
-
-def prefix_softmax(device: torch.device) -> str:
-    """The contiguous shared-prefix kernel's softmax step (launch_shared_prefix's `softmax`).
-
-    H200, run 8 (kernels.py --sweep-cascade, 16k/256, 11-token questions, t = 24, a layer of
-    the overlapped step): "fold" 0.198 ms against "update" 0.213 on CodeLlama (Qwen2.5 0.149,
-    a tie). A lazy rescale (acc rescaled only when a row maximum grows past a slack) was
-    slower, 0.221 / 0.172 (the document alone 0.180 against 0.155), and is gone."""
-    return "fold"
 
 
 def contig_prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:
@@ -242,9 +212,9 @@ def choose_splits(
 def decode_row_splits(programs: int, max_keys: int, device: torch.device,
                       split_cap: int = MAX_SPLITS) -> int:
     """Splits of a stock decode row: choose_splits' fill, and pieces of at most
-    DECODE_PIECE_KEYS keys even when the requests alone fill the GPU. Run 4 sweep (H200, one
-    warp x 32 keys): 1 -> 4-6 splits took CodeLlama 16k/256 6.82 -> 6.59 ms, Qwen2.5 1.02 ->
-    0.90, CodeLlama 8k/64 0.91 -> 0.88; shorter pieces shorten the last wave's tail."""
+    DECODE_PIECE_KEYS keys even when the requests alone fill the GPU: shorter pieces shorten
+    the last wave's tail (H200, one warp x 32 keys: 4-6 splits instead of 1 took CodeLlama
+    16k/256 6.82 -> 6.59 ms a layer, Qwen2.5 1.02 -> 0.90, CodeLlama 8k/64 0.91 -> 0.88)."""
     fill = choose_splits(programs, max_keys, device, split_cap)
     if not is_gpu(device):
         return fill

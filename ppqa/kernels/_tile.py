@@ -56,9 +56,9 @@ def softmax_fold(
     """softmax_update for raw scores s_raw = q.k [M, N] (-inf where hidden), for the
     compute-bound document product: the scale rides in the exponent's multiply-add instead of a
     pass of its own, and P.V accumulates inside the dot (no separate add). The same result up to
-    rounding. (Run 8 also measured skipping the rescale of acc while no row maximum grew past a
-    slack, FlashAttention-4's threshold: slower on every tile, its branch between the two dots
-    costing more than the multiply it skipped.)"""
+    rounding. The rescale of acc is not skipped while no row maximum grows past a slack
+    (FlashAttention-4's threshold): the branch between the two dots costs more than the
+    multiply it skips (benchmarks/RESULTS.md, "Cascade's decode step")."""
     m_new = tl.maximum(m_i, tl.max(s_raw, axis=1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s_raw * scale_log2 - m_new[:, None])

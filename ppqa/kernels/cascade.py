@@ -13,7 +13,8 @@ so that even a few heads x tiles fill the GPU; each split writes a partial state
 Contiguous documents (doc_starts given, group g's document = slots doc_starts[g] + i): a
 constexpr variant reads K/V at affine addresses, without req_to_token, so Triton's pipeliner
 issues them as async copies stages ahead; it is a plain FlashAttention forward, with its own
-tiles (`_arch.contig_prefix_tiles`) and a split count that fills whole waves (`wave_splits`).
+tiles (`_arch.contig_prefix_tiles`), a split count that fills whole waves (`wave_splits`) and
+the folded softmax step (`_tile.softmax_fold`: this product is compute-bound).
 On sm_90 its whole key tiles come through tensor descriptors instead (`_tile.tma_tiles`: one
 2-D copy per K or V tile), the last partial tile through masked loads.
 
@@ -49,7 +50,7 @@ def _prefix_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CONTIG: tl.constexpr,
     DOT_DT: tl.constexpr, P_DT: tl.constexpr, PREC: tl.constexpr, IDX64: tl.constexpr,
-    TMA: tl.constexpr, FOLD: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -85,7 +86,7 @@ def _prefix_kernel(
             slot0 = slot0.to(tl.int64)
         tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, slot0, lo, hi,
                                         (kvh * HEAD_DIM).to(tl.int32), scale_log2, m_i, l_i,
-                                        acc, TMA, BLOCK_N, True, DOT_DT, P_DT, PREC, FOLD)
+                                        acc, TMA, BLOCK_N, True, DOT_DT, P_DT, PREC, True)
         for start in range(tail, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             c_ok = cols < hi
@@ -96,11 +97,7 @@ def _prefix_kernel(
             v = tl.load(V_pool + slots[:, None] * stride_pool_s + kv_head_off + d[None, :],
                         mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DT)
             s = tl.where(c_ok[None, :], tl.dot(q, k_t, input_precision=PREC), float("-inf"))
-            if FOLD:
-                m_i, l_i, acc = softmax_fold(s, v, m_i, l_i, acc, scale_log2, P_DT, DOT_DT, PREC)
-            else:
-                m_i, l_i, acc = softmax_update(s * scale_log2, v, m_i, l_i, acc, P_DT, DOT_DT,
-                                               True, PREC)
+            m_i, l_i, acc = softmax_fold(s, v, m_i, l_i, acc, scale_log2, P_DT, DOT_DT, PREC)
     else:
         doc = tl.load(Doc_req + g).to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
@@ -154,15 +151,12 @@ def launch_shared_prefix(
     max_group_size: int, sm_scale: float, num_splits: int, part_o, part_lse,
     state_offset: int = 0, tiles: _arch.Tiles | None = None,
     doc_starts: torch.Tensor | None = None, tma: bool | None = None,
-    softmax: str | None = None,
 ) -> None:
     """Partial states of the document part into part_o[:, :, state_offset : +num_splits].
     doc_starts [G] int32: group g's document is the slots doc_starts[g] + i, i < doc_lens[g]
     (read at affine addresses, req_to_token untouched); None: gathered through req_to_token.
     tma (contiguous documents only): whole tiles read through tensor descriptors
-    (`_arch.kv_descriptors`); None: `_arch.use_tma`.
-    softmax (contiguous documents only): "update" (`_tile.softmax_update`) or "fold"
-    (`_tile.softmax_fold`); None: `_arch.prefix_softmax`."""
+    (`_arch.kv_descriptors`); None: `_arch.use_tma`."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -172,9 +166,6 @@ def launch_shared_prefix(
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n, tma) if contiguous else None
-    softmax = (softmax or _arch.prefix_softmax(q.device)) if contiguous else "update"
-    if softmax not in ("update", "fold"):
-        raise ValueError(f"softmax must be 'update' or 'fold', got {softmax!r}")
     _prefix_kernel[(m_tiles, num_kv_heads, num_groups * num_splits)](
         q, part_o, part_lse,
         k_pool, v_pool, *(descs or (k_pool, v_pool)), req_to_token, group_req_indptr,
@@ -186,7 +177,7 @@ def launch_shared_prefix(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, CONTIG=contiguous,
         DOT_DT=dot_dt, P_DT=p_dt, PREC=prec, IDX64=_arch.needs_int64(k_pool),
-        TMA=descs is not None, FOLD=softmax == "fold", num_warps=tiles.num_warps,
+        TMA=descs is not None, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
 
@@ -196,11 +187,11 @@ def shared_prefix_attention(
     max_group_size: int, max_doc_len: int, sm_scale: float,
     num_splits: int | None = None, scratch: PartialScratch | None = None,
     doc_starts: torch.Tensor | None = None, tiles: _arch.Tiles | None = None,
-    tma: bool | None = None, softmax: str | None = None,
+    tma: bool | None = None,
 ) -> int:
     """Writes o [B, Hq, D] and lse [B, Hq] (natural log) of each request's query against its
     group's document only. q [B, Hq, D], one decode token per request. Returns the splits.
-    doc_starts, tma, softmax: as launch_shared_prefix."""
+    doc_starts, tma: as launch_shared_prefix."""
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return 0
@@ -211,7 +202,7 @@ def shared_prefix_attention(
     part_o, part_lse = partial_buffers(scratch, batch, num_heads, num_splits, head_dim, q.device)
     launch_shared_prefix(q, k_pool, v_pool, req_to_token, group_req_indptr, doc_req_indices,
                          doc_lens, max_group_size, sm_scale, num_splits, part_o, part_lse,
-                         tiles=tiles, doc_starts=doc_starts, tma=tma, softmax=softmax)
+                         tiles=tiles, doc_starts=doc_starts, tma=tma)
     merge_partials(part_o, part_lse, o, lse)
     return num_splits
 

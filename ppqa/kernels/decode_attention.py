@@ -4,7 +4,7 @@ Request b's query attends to its row req_to_token[req, kv_start:seq_len] (no str
 stock request holds one question). When the row starts with a document whose slots are one run
 (`doc_start`/`doc_len`), that part is read at affine addresses, without req_to_token loads (on
 sm_90 its whole tiles through tensor descriptors: `_tile.tma_tiles`, one 2-D copy per K or V
-tile, which made the H200's stock decode 1.08-1.36x faster). Grid: (request, KV head, split).
+tile: benchmarks/RESULTS.md, 'TMA against pointer loads'). Grid: (request, KV head, split).
 A program holds all query heads of one KV head (GQA: the heads form the rows of a tl.dot tile,
 so each KV tile is read once per request; MHA: one row, multiply-and-sum on the CUDA cores) and
 reads one piece of the row. With more than one split each piece writes a partial state and

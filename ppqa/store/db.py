@@ -101,10 +101,6 @@ class Database:
         return self.engine.dialect.name
 
     @property
-    def is_sqlite(self) -> bool:
-        return self.dialect == "sqlite"
-
-    @property
     def description(self) -> str:
         return _describe(self.url)
 

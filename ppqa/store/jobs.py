@@ -1,6 +1,6 @@
 """Adding jobs to the store and changing them by hand: ingest, cancel, retry.
 
-The CLI reads and checks input (`inputs.py`), builds `IngestRequest`s and calls `ingest`, which
+The CLI reads and checks input (`ppqa.files.inputs`), builds `IngestRequest`s and calls `ingest`, which
 writes documents, jobs and questions in ONE write transaction: either every request lands or,
 on any refusal (an identical job already queued, a bad template), nothing does.
 """

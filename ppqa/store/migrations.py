@@ -115,6 +115,11 @@ def _m0003_job_model(conn: Connection) -> None:
             conn.execute(text("UPDATE jobs SET model = :m WHERE id = :i"), {"m": model, "i": job_id})
 
 
+def _m0005_drop_first_token_seconds(conn: Connection) -> None:
+    """answers.first_token_seconds goes: nothing ever wrote it (SQLite 3.35+ drops columns)."""
+    conn.execute(text("ALTER TABLE answers DROP COLUMN first_token_seconds"))
+
+
 def _json_value(raw) -> dict:
     import json
 
@@ -127,6 +132,7 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_reports", _m0002_reports),
     ("0003_job_model", _m0003_job_model),
+    ("0005_drop_first_token_seconds", _m0005_drop_first_token_seconds),
 ]
 
 

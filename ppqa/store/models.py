@@ -97,7 +97,6 @@ class Answer(Base):
     text: Mapped[str] = mapped_column(Text)
     token_count: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(32))
-    first_token_seconds: Mapped[float | None] = mapped_column(Float)
     total_seconds: Mapped[float | None] = mapped_column(Float)
     worker: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime)

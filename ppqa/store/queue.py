@@ -154,8 +154,8 @@ def heartbeat(db: Database, worker_id: str, job_ids: list[int], lease_seconds: f
 
 
 def record_answer(db: Database, question_id: int, text: str, token_count: int,
-                  finish_reason: str, *, first_token_seconds: float | None = None,
-                  total_seconds: float | None = None, worker_id: str | None = None) -> bool:
+                  finish_reason: str, *, total_seconds: float | None = None,
+                  worker_id: str | None = None) -> bool:
     """Store a question's answer in its own transaction. False if it already had one (the
     unique constraint keeps the first); StoreError if the question does not exist."""
     if not finish_reason or len(finish_reason) > 32:
@@ -166,8 +166,8 @@ def record_answer(db: Database, question_id: int, text: str, token_count: int,
         with db.write() as conn:
             conn.execute(insert(Answer).values(
                 question_id=question_id, text=text, token_count=token_count,
-                finish_reason=finish_reason, first_token_seconds=first_token_seconds,
-                total_seconds=total_seconds, worker=worker_id, created_at=db.now(conn)))
+                finish_reason=finish_reason, total_seconds=total_seconds, worker=worker_id,
+                created_at=db.now(conn)))
         return True
     except IntegrityError:
         with db.read() as conn:

@@ -46,11 +46,9 @@ def load_engine(model: str, device: str, **config_fields):
     or SetupError naming the model and the reason."""
     if not model or not model.strip():
         raise SetupError("--model must be a model name, a Hugging Face folder or a .gguf file")
-    try:
-        from ppqa.config import EngineConfig
-        from ppqa.engine.engine import Engine
-    except ImportError as exc:
-        raise SetupError(f"the inference engine is not available: {_first_line(exc)}") from None
+    from ppqa.config import EngineConfig
+    from ppqa.engine.engine import Engine
+
     try:
         return Engine(model, device=device, config=EngineConfig(**config_fields))
     except KeyboardInterrupt:

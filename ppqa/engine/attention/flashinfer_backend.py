@@ -1,4 +1,4 @@
-"""A second `stock` baseline: FlashInfer's paged decode kernel in place of ours (issue 6).
+"""A second `stock` baseline: FlashInfer's paged decode kernel in place of ours.
 
 `FlashInferBackend` is the Triton backend with one path swapped: a stock decode step (one token
 per request, no cascade) runs FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` over the same
@@ -11,7 +11,7 @@ Per step (`init_forward_metadata`), the requests' rows become FlashInfer's page 
 included) into indptr / indices; indptr is built on the host from the step's host lengths
 (FlashInfer plans its split on the host), indices on the device without a host round trip.
 The plan is shared by all layers. FlashInfer's plan is eager, so this backend runs without
-CUDA graphs (engine_setup.py); at the batch sizes it is compared on (16k/256: ~0.2 s a step)
+CUDA graphs (engine/setup.py); at the batch sizes it is compared on (16k/256: ~0.2 s a step)
 the launches are under 2% of a step.
 
 FlashInfer is optional and not a dependency of ppqa: its 0.2.x source release compiles its
@@ -27,9 +27,9 @@ from ppqa.engine.attention.triton_backend import TritonBackend
 from ppqa.kernels.kv_store import store_kv
 
 WORKSPACE_BYTES = 256 << 20
-# Query heads per KV head that FlashInfer 0.2.5's CUDA-core decode dispatches; it was faster
-# than its tensor-core path on MHA (run 7: 6.76 vs 8.06 ms a layer at 16k/256), which larger
-# or other groups take.
+# Query heads per KV head that FlashInfer 0.2.5's CUDA-core decode dispatches; it is faster
+# than its tensor-core path on MHA (benchmarks/RESULTS.md, "FlashInfer's paged decode per
+# layer"), which larger or other groups take.
 CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)
 
 
@@ -54,10 +54,11 @@ def paged_kv_table(req_to_token: torch.Tensor, req_indices: torch.Tensor,
 
 class FlashInferBackend(TritonBackend):
     def __init__(self, pool, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 scratch_bytes: int | None = None) -> None:
-        import flashinfer  # engine_setup._check_flashinfer has said why it may be missing
+                 scratch_bytes: int | None = None, overlap: bool = True) -> None:
+        import flashinfer  # engine/setup.py's _check_flashinfer has said why it may be missing
 
-        super().__init__(pool, num_heads, num_kv_heads, head_dim, sm_scale, scratch_bytes)
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, sm_scale, scratch_bytes,
+                         overlap)
         group = num_heads // num_kv_heads
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.tensor_cores = group not in CUDA_CORE_GROUPS

@@ -1,9 +1,9 @@
 """The attention seam: per-step metadata and the backend interface.
 
 The runner builds one `ForwardMetadata` per forward step from the scheduler's batch and hands it,
-unchanged, to every layer's attention call. A backend (`TorchBackend` in
-`engine/torch_backend.py`, runs anywhere; `TritonBackend` in `engine/triton_backend.py`, GPU)
-writes the step's new K/V into the pool and computes attention under the stream rule:
+unchanged, to every layer's attention call. A backend (`TorchBackend` in `torch_backend.py`, runs
+anywhere; `TritonBackend` in `triton_backend.py`, GPU) writes the step's new K/V into the pool
+and computes attention under the stream rule:
 
     query t (stream q_sid[t]) may attend key k  iff  causal(t, k) and
         (sid_k == -1 or sid_k == q_sid[t])
@@ -27,8 +27,9 @@ Kinds of step:
   groups count tokens: every question token of a group meets the document in one tiled
   product, and stages 1-2 run from kv_start = document length.
 
-The KV pool (`engine/kv_cache.py`, class `KVPool`) exposes `k_buffers[layer]` and `v_buffers[layer]`
-([num_slots, num_kv_heads, head_dim], slot 0 a sink for padding) and `slot_sid` ([num_slots] int32).
+The KV pool (`runtime/kv_cache.py`, class `KVPool`) exposes `k_buffers[layer]` and
+`v_buffers[layer]` ([num_slots, num_kv_heads, head_dim], slot 0 a sink for padding) and `slot_sid`
+([num_slots] int32).
 The runner sets `slot_sid[out_slots] = q_sid` once per step, before the forward; a backend writes
 only K/V. A backend is built as `Backend(pool, num_heads, num_kv_heads, head_dim, sm_scale)`.
 

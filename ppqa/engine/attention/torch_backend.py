@@ -5,7 +5,7 @@ step's new slots) turns the `ForwardMetadata` into a plan that every layer reuse
   - extend: per request, the stage-1 slots req_to_token[row, kv_start:prefix_len] and the dense
     mask of the stream rule over [stage-1 keys | the step's new keys] (`layout.extend_mask`);
     attention is torch's scaled_dot_product_attention under that mask;
-  - decode: per request, its row [kv_start, prefix_len + 1) as runs of consecutive slots, read
+  - decode: per request, its row [kv_start, prefix_len + 1) in runs of consecutive slots, read
     in place from the pool (views, no gathered copy: each request reads its document's KV once per
     step, as a paged decode kernel does);
   - cascade decode: per group of requests sharing a document, the document's slot runs; per

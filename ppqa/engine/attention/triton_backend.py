@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from ppqa.engine.attention.metadata import ForwardMetadata
-from ppqa.kernels import _arch
 from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits, shared_prefix_attention
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
@@ -48,18 +47,17 @@ class StepPlan:
 
 
 class TritonBackend:
-    # Cascade decode: the document product on a side stream, concurrent with the suffix decode
-    # (GPU only; benchmarks set it False on an instance or the class to time the serial order).
-    overlap = True
-
     def __init__(self, pool, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 scratch_bytes: int | None = None) -> None:
+                 scratch_bytes: int | None = None, overlap: bool = True) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
         self.pool = pool
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sm_scale = sm_scale
+        # Cascade decode: the document product on a side stream, concurrent with the suffix
+        # decode (GPU only; EngineConfig.overlap_cascade). False: one after the other.
+        self.overlap = overlap
         self.device = pool.k_buffers[0].device
         self.dtype = pool.k_buffers[0].dtype
         if scratch_bytes is None:
@@ -168,12 +166,10 @@ class TritonBackend:
         part_o, part_lse = self.scratch.views(q.shape[0], self.num_heads, states, self.head_dim)
         side = self._fork()
         with torch.cuda.stream(side):  # None: a no-op, the launches run in order
-            beside = _arch.overlapped_prefix_tma(self.num_heads // self.num_kv_heads)
             launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
                                  casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
                                  self.sm_scale, plan.prefix_splits, part_o, part_lse,
-                                 state_offset=plan.splits, doc_starts=self._doc_starts(casc),
-                                 tma=beside if side is not None else None)
+                                 state_offset=plan.splits, doc_starts=self._doc_starts(casc))
         # Stock requests in a cascade step read their rows whole, with their documents' hints.
         launch_decode(q, k_buf, v_buf, meta.req_to_token, meta.req_indices, meta.kv_start,
                       meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,

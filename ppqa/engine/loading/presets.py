@@ -2,7 +2,7 @@
 
 The big presets mirror CodeLlama-7B, Llama-3-8B, Qwen2.5-7B and Qwen2.5-1.5B so that speed work on
 the GPU machine (which has no model files) runs the true shapes; the tiny presets feed the engine's
-golden tests. `engine/loader.py` turns a preset into a `LoadedModel`: `dummy_weights` generates each
+golden tests. `loader.py` turns a preset into a `LoadedModel`: `dummy_weights` generates each
 tensor directly on the target device and dtype, one at a time, so a 7B model builds in seconds.
 """
 
@@ -16,9 +16,9 @@ import torch
 from ppqa.engine.model.config import ModelConfig
 from ppqa.engine.loading.tokenizer import ByteTokenizer
 
-# The benchmark runs 16k-token documents + questions + up to 1,024 answer tokens, so every 7B/8B
-# preset allows 32,768 positions even where the real model's context is shorter (CodeLlama: 16,384;
-# Llama 3: 8,192). Rotary embeddings extrapolate; random weights do not care.
+# The benchmark's workloads hold 16k-token documents + questions + up to 1,024 answer tokens, so
+# every 7B/8B preset allows 32,768 positions even where the real model's context is shorter
+# (CodeLlama: 16,384; Llama 3: 8,192). Rotary embeddings extrapolate; random weights do not care.
 BIG_CONTEXT = 32768
 
 _LLAMA3_ROPE_SCALING = {

@@ -7,7 +7,7 @@ blocks, `prefix` and `question`; `Tokenizer.prompt` wraps them in the model's ch
 has one and tokenizes prefix and each suffix separately, so the split is a token boundary by
 construction and `stock`, `parallel` and `cascade` all see the same ids.
 
-Two tokenizers: `HFTokenizer` wraps a `transformers` tokenizer (built by `engine/loader.py` from an
+Two tokenizers: `HFTokenizer` wraps a `transformers` tokenizer (built by `loader.py` from an
 HF directory or GGUF metadata, never from the hub); `ByteTokenizer` is the file-free tokenizer of the
 `dummy:` models (UTF-8 bytes plus BOS/EOS).
 """

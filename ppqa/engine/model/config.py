@@ -1,6 +1,6 @@
 """Model configuration: the one description of a Llama-family architecture.
 
-Loaders (`engine/loader.py`) produce a `ModelConfig` from a Hugging Face `config.json`, GGUF
+Loaders (`engine/loading/`) produce a `ModelConfig` from a Hugging Face `config.json`, GGUF
 metadata or a `dummy:` preset; the model (`engine/model/llama.py`) and the KV pool read it.
 Weight names follow Hugging Face's Llama naming (`model.layers.N.self_attn.q_proj.weight`, ...),
 whatever the source, so every loader hands the model the same state dict.
@@ -46,10 +46,6 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
-
-    @property
-    def gqa_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""

@@ -12,15 +12,13 @@ their answers (we charge the mean over the answer budget, a = max_new / 2):
 
 all times the KV bytes of a token, and FLOPs = 4 x head_dim x query heads per (query, key). Each
 part costs max(bytes / bandwidth, FLOPs / matmul rate) over an efficiency measured for our
-kernels (benchmarks/README.md). A mode other than stock is chosen only when the whole step is
-predicted at least `MIN_GAIN` faster, so `auto` falls back to the baseline when the modes are
-within the model's error (one question, tiny documents) rather than betting on noise.
-
-MIN_GAIN was 1.10 until run 3 on the H200 (benchmarks/README.md): a 512-token document with 16
-questions on codellama-7b was predicted 1.06x for cascade, so auto ran stock, while cascade
-measured 1.04x faster (0.712 vs 0.743 s); auto == stock there is a coin toss (0.98x, one slow
-run). Over the thirteen run-3 cells the model's stock/cascade ratio was within -15%..+11% of the
-measured one and never predicted a gain where cascade lost.
+kernels (benchmarks/RESULTS.md, 'Kernels, one layer'). A mode other than stock is chosen only
+when the whole step is predicted at least `MIN_GAIN` faster, so `auto` falls back to the
+baseline when the modes are within the model's error (one question, tiny documents) rather
+than betting on noise. MIN_GAIN is small because real gains can be small: on the H200 a
+512-token document with 16 questions on CodeLlama-7B runs cascade and parallel 1.06x faster
+than stock (benchmarks/RESULTS.md, 'Workloads auto must not lose on'), and the model predicts
+parallel 1.03x there.
 """
 
 from __future__ import annotations
@@ -39,18 +37,14 @@ class DeviceRates:
     """Sustained rates of a device, and the fraction of them each mode's kernels reach there.
 
     GPU efficiencies are fitted to one-layer measurements of our kernels on the H200
-    (benchmarks/results/kernels_h200.json, 16k/256): stock decode reads the requested bytes at
-    ~2.5x the copy bandwidth (requests in flight together share document tiles in L2; 1.85x
-    until run 4's one-warp decode tile made it 1.23x faster, 2.28x until run 5's TMA copies
-    made it 1.08x faster on CodeLlama; GQA models 3.09x, Qwen2.5's 1.36x gain); the
-    parallel extend kernel is bound by the masked keys it still computes (~12% of the matmul
-    rate) or by bandwidth (~70%); cascade's document part runs its product at ~28% of the rate,
-    and takes at least `cascade_layer_floor_s` a layer however small (its launch, the merge of its
-    partial states, the side-stream fork and join). Run 5 measured Qwen2.5-1.5B 8k/64 cascade
-    0.97x of stock and the floor was set to 40 us, which sent auto to stock there; run 7 measured
-    the same cell on the current code at 1.34x and 1.37x (three seeds, two calls), and 20 us
-    predicts 1.16x there while the 512-token document with 16 questions (cascade 1.01x, a tie)
-    stays on stock (0.93x predicted); every other measured cell keeps the mode that won.
+    (benchmarks/RESULTS.md, 'Kernels, one layer'): stock decode reads the requested bytes at
+    ~2.5x the copy bandwidth (requests in flight together share document tiles in L2; GQA
+    models 3.09x); the parallel extend kernel is bound by the masked keys it still computes
+    (~12% of the matmul rate) or by bandwidth (~70%); cascade's document part runs its product
+    at ~28% of the rate, and takes at least `cascade_layer_floor_s` a layer however small (its
+    launch, the merge of its partial states, the side-stream fork and join). That floor, 20 us,
+    predicts cascade 1.16x over stock on Qwen2.5-1.5B at 8k/64, where it measures 1.08x
+    (benchmarks/RESULTS.md, 'Workloads auto must not lose on').
     """
 
     bandwidth: float  # bytes/s, measured copy bandwidth
@@ -66,7 +60,7 @@ class DeviceRates:
 
     @staticmethod
     def for_device(kind: str) -> DeviceRates:
-        if kind == "cuda":  # H200 measured here: 4.3 TB/s copy, ~790 TFLOP/s bf16
+        if kind == "cuda":  # the H200: 4.3 TB/s copy, ~790 TFLOP/s bf16 (RESULTS.md's floors)
             return DeviceRates(bandwidth=4.3e12, matmul=7.9e14, stock_mem_eff=2.46,
                                stock_gqa_mem_eff=3.09, cascade_layer_floor_s=20e-6,
                                step_overhead_s=2e-3)

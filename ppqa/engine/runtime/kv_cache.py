@@ -88,7 +88,7 @@ class SlotAllocator:
 
 
 class KVPool:
-    """K/V buffers of every layer plus the per-slot stream ids (see `engine/attention.py`)."""
+    """K/V buffers of every layer plus the per-slot stream ids (see `attention/metadata.py`)."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype, device: torch.device) -> None:

@@ -15,7 +15,6 @@ engine can build and launch step t+1 before reading step t back.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -156,9 +155,3 @@ class ModelRunner:
         if meta.logit_indices.shape[0] == 0:
             return None
         return self.model.compute_logits(hidden[meta.logit_indices])
-
-    def synchronize(self) -> float:
-        """Wait for the device (for timing) and return the time."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
