@@ -32,23 +32,31 @@ def tokenizer_dir(root: Path | None = None) -> Path:
 
 
 def bpe_tokenizer(root: Path | None = None):
-    """SmolLM2's tokenizer as an `HFTokenizer` (saved folder if present, else built and saved)."""
+    """SmolLM2's tokenizer as an `HFTokenizer` (the saved folder if present, else built from the
+    GGUF and saved)."""
     from ppqa.engine.loading.tokenizer import HFTokenizer
 
     saved = tokenizer_dir(root)
-    if not (saved / "tokenizer.json").is_file():
-        _save_from_gguf(saved, root)
-    try:
-        import transformers
-
-        hf = transformers.AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
-    except Exception as e:  # noqa: BLE001 -- transformers raises many kinds on a bad folder
-        raise ModelLoadError(f"cannot load the saved {BPE_MODEL} tokenizer in {saved} (delete the "
-                             f"folder to rebuild it): {type(e).__name__}: {e}") from e
+    if (saved / "tokenizer.json").is_file():
+        try:
+            return HFTokenizer(_load_saved(saved))
+        except Exception as e:  # noqa: BLE001 -- transformers raises many kinds on a bad folder
+            raise ModelLoadError(f"cannot load the saved {BPE_MODEL} tokenizer in {saved} "
+                                 f"(delete the folder to rebuild it): {type(e).__name__}: {e}") from e
+    hf = _build_from_gguf(saved, root)
+    _save(hf, saved)
     return HFTokenizer(hf)
 
 
-def _save_from_gguf(saved: Path, root: Path | None) -> None:
+def _load_saved(saved: Path):
+    # Not AutoTokenizer: transformers 5 swaps in another pre-tokenizer for this folder (it then
+    # splits "\n\n" differently); the fast class keeps the one in tokenizer.json.
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(saved), local_files_only=True)
+
+
+def _build_from_gguf(saved: Path, root: Path | None):
     from ppqa.engine.loading import model_cache
     from ppqa.engine.loading.gguf import _hf_tokenizer
 
@@ -59,10 +67,23 @@ def _save_from_gguf(saved: Path, root: Path | None) -> None:
         raise ModelLoadError(f"the +bpe tokenizer is built once from {path}, which needs the `gguf` "
                              f"package (pip install gguf), or copy a saved {saved.name} folder "
                              f"into {saved.parent}") from e
-    hf = _hf_tokenizer(str(path.resolve()), path.resolve().stat().st_mtime_ns)
+    return _hf_tokenizer(str(path.resolve()), path.resolve().stat().st_mtime_ns)
+
+
+# Text whose tokens tell tokenizers apart: blank lines, runs of spaces, digits, accents, CJK.
+_PROBE = "Read the document.\n\nDocument:\n  Caf\u00e9 2024 -- 12,345 \u6771\u4eac\tend.\n\n\nQ: why?"
+
+
+def _save(hf, saved: Path) -> None:
+    """Save `hf` as `saved` if the saved copy tokenizes the probe as `hf` does (else keep none:
+    every load then builds from the GGUF, slowly but right)."""
     tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
     try:
         hf.save_pretrained(str(tmp))
+        again = _load_saved(tmp)
+        if again.encode(_PROBE, add_special_tokens=False) != hf.encode(_PROBE, add_special_tokens=False) \
+                or again.chat_template != hf.chat_template or len(again) != len(hf):
+            return
         try:
             os.replace(tmp, saved)  # atomic: a concurrent builder's folder wins, equal anyway
         except OSError:
