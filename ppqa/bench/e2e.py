@@ -158,6 +158,10 @@ class Runner:
     def _finish(self, record: dict, rc: int, stdout: str, db: Path, log_path: Path,
                 started: datetime, ok: set[int], arrivals: bool) -> dict:
         record["rc"] = rc
+        # The worker's own account of its start-up ("ready after ...: torch ..., model ...,
+        # graphs ...") and of its graphs, as `ppqa run` logs them (cli/run.py).
+        record["worker_notes"] = [line for line in log_path.read_text().splitlines()
+                                  if line.startswith("ready") or "CUDA graphs" in line]
         if rc not in ok:
             record["error"] = f"ppqa run exited {rc}: {_tail(log_path.read_text())}"
             return record
