@@ -1,4 +1,6 @@
-"""`ppqa bench`: the paper's grid or any part of it, timed paired and seeded (ppqa/bench/grid.py)."""
+"""`ppqa bench`: the paper's grid (or any part of it), timed paired and seeded (ppqa/bench/grid.py);
+`--e2e WORKLOAD,...`: the main job timed as users run it, ingest -> `ppqa run` -> export, in
+subprocesses on fresh stores (ppqa/bench/e2e.py, workloads in ppqa/bench/workloads.py)."""
 
 import shlex
 import sys
@@ -31,10 +33,20 @@ def _ints(text: str, what: str) -> list[int]:
     "  ppqa bench --model dummy:codellama-7b --doc-tokens 8192,16384 --questions 64,128,256\n\n"
     "  ppqa bench --model dummy:tiny-mha --device cpu --doc-tokens 256 --questions 8 "
     "--max-new-tokens 8 --out bench.json\n\n"
-    "  ppqa bench --from benchmarks/results/grid.json --plot grid.png"))
+    "  ppqa bench --from benchmarks/results/grid.json --plot grid.png\n\n"
+    "With --e2e WORKLOAD[,WORKLOAD...] it times the product instead: for each mode and pass a "
+    "fresh store, `ppqa ingest --batch`, `ppqa run --gpu 0 --once --mode MODE`, `ppqa export`, "
+    "all subprocesses; process and run wall, start-up, prefill, decode, worker time, answers/s, "
+    "peak memory, speedups over stock and whether answers equal stock's. Workloads: "
+    "paper, labeling, labeling-short, quality, loogle, arrivals; tiny and tiny-arrivals for the CPU. Runs too long for one "
+    "call split with --first-pass or per mode, then merge with --from a.json,b.json.\n\n"
+    "  ppqa bench --e2e paper,labeling --plot e2e.png\n\n"
+    "  ppqa bench --e2e tiny --device cpu --modes stock,parallel --out e2e_tiny.json"))
 def bench(
-    model: Annotated[str, typer.Option(help="Model: a dummy preset, smollm2, a .gguf or HF dir.")]
-    = "dummy:codellama-7b",
+    model: Annotated[str | None, typer.Option(
+        help="Model: a dummy preset (dummy:<preset>, dummy:<preset>+bpe for SmolLM2's BPE "
+             "tokenizer), smollm2, a .gguf or HF dir. Default: dummy:codellama-7b; with --e2e "
+             "each workload's own.", show_default=False)] = None,
     device: Annotated[str | None, typer.Option(
         help="cuda, cuda:N or cpu. Default: the GPU if there is one.", show_default=False)] = None,
     doc_tokens: Annotated[str, typer.Option(help="Document lengths in tokens, comma-separated.")]
@@ -43,11 +55,11 @@ def bench(
     = "64,128,256",
     max_new_tokens: Annotated[str, typer.Option(help="Answer budgets, comma-separated.")] = "128",
     seeds: Annotated[str, typer.Option(help="Workload seeds, comma-separated.")] = "0,1",
-    modes: Annotated[str, typer.Option(
+    modes: Annotated[str | None, typer.Option(
         help="Modes to time; stock is the baseline. stock-flashinfer: stock on FlashInfer's "
              "decode kernel (a second engine of the same weights; needs CUDA and the flashinfer "
-             "package).")]
-    = "stock,cascade,parallel,auto",
+             "package). Default: stock,cascade,parallel,auto; with --e2e "
+             "stock,auto,cascade,parallel.", show_default=False)] = None,
     streams: Annotated[int, typer.Option(help="P for parallel mode.")] = 32,
     passes: Annotated[int, typer.Option(help="Passes, alternating the order of modes.")] = 2,
     kv_tokens: Annotated[int | None, typer.Option(
@@ -62,13 +74,32 @@ def bench(
         help="Cache the questions' common opening with the document (the engine's default); "
              "--no-share-opening keeps it in every question (prefilled and read per "
              "question).")] = True,
-    out: Annotated[Path, typer.Option(help="Results JSON (rewritten after every cell).")]
-    = Path("bench.json"),
+    out: Annotated[Path | None, typer.Option(
+        help="Results JSON (rewritten after every cell or run). Default: bench.json; with "
+             "--e2e benchmarks/results/e2e_<workloads>.json.", show_default=False)] = None,
     plot: Annotated[Path | None, typer.Option(help="Also write a PNG plot of speedups here.",
                                               show_default=False)] = None,
-    from_json: Annotated[Path | None, typer.Option(
-        "--from", help="Render the table (and --plot) of an earlier results JSON; time nothing.",
+    from_json: Annotated[str | None, typer.Option(
+        "--from", help="Render the table (and --plot) of an earlier results JSON; time nothing. "
+                       "--e2e results: several files, comma-separated, are merged (a benchmark "
+                       "split over calls).", show_default=False)] = None,
+    e2e: Annotated[str | None, typer.Option(
+        "--e2e", metavar="WORKLOAD[,WORKLOAD...]", show_default=False,
+        help="Time these named workloads end to end through the CLI (see above).")] = None,
+    run_args: Annotated[str, typer.Option(
+        help="--e2e: extra `ppqa run` options, e.g. --run-args '--max-jobs 64 --streams 32'.")]
+    = "",
+    work_dir: Annotated[Path | None, typer.Option(
+        help="--e2e: keep the stores, batches, exports and worker logs here (default: a "
+             "temporary folder, removed at the end).", show_default=False)] = None,
+    arrival_seconds: Annotated[float, typer.Option(
+        help="--e2e arrivals: ingest the jobs at a steady rate over this many seconds.")] = 60.0,
+    max_docs: Annotated[int | None, typer.Option(
+        min=1, help="--e2e: at most this many documents per document group (a quick trial).",
         show_default=False)] = None,
+    first_pass: Annotated[int, typer.Option(
+        min=0, help="--e2e: number the passes from this one (odd passes run the modes "
+                    "reversed), to split a long benchmark over calls; merge with --from.")] = 0,
 ) -> None:
     import json
 
@@ -76,13 +107,28 @@ def bench(
 
     if from_json is not None:
         try:
-            cells = json.loads(from_json.read_text())["cells"]
+            results = [json.loads(Path(f).read_text()) for f in from_json.split(",") if f]
+            if all(r.get("kind") == "e2e" for r in results):
+                from ppqa.bench.e2e_report import merge
+
+                return _show_e2e(merge(results), plot)
+            if len(results) != 1:
+                fail("--from takes one grid results file (several only for --e2e results)")
+            cells = results[0]["cells"]
         except (OSError, ValueError, KeyError) as exc:
             fail(f"cannot read results from {from_json}: {exc}")
         print(b.markdown_table(cells))
         if plot is not None and not b.plot_speedups(cells, plot):
             say("matplotlib is not installed: no plot written (pip install matplotlib)")
         return
+    if e2e is not None:
+        return _run_e2e(e2e, model=model, device=device, modes=modes, passes=passes, out=out,
+                        plot=plot, run_args=run_args, work_dir=work_dir,
+                        arrival_seconds=arrival_seconds, max_docs=max_docs,
+                        first_pass=first_pass)
+    model = model or "dummy:codellama-7b"
+    modes = modes or "stock,cascade,parallel,auto"
+    out = out or Path("bench.json")
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in mode_list if m not in b.BENCH_MODES]
@@ -136,3 +182,32 @@ def bench(
     if plot is not None and not b.plot_speedups(table_cells, plot):
         say("matplotlib is not installed: no plot written (pip install matplotlib)")
     say(f"results written to {out}")
+
+
+def _run_e2e(workloads: str, *, model, device, modes, passes, out, plot, run_args, work_dir,
+             arrival_seconds, max_docs, first_pass) -> None:
+    from ppqa.bench import e2e
+
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    try:
+        opts = e2e.E2EOptions(
+            workloads=names, modes=[m.strip() for m in (modes or ",".join(e2e.E2E_MODES))
+                                    .split(",") if m.strip()],
+            model=model, device=device, passes=passes, run_args=shlex.split(run_args),
+            work_dir=work_dir, arrival_seconds=arrival_seconds, max_docs=max_docs,
+            first_pass=first_pass)
+    except ValueError as exc:
+        fail(str(exc))
+    out = out or Path("benchmarks/results") / f"e2e_{'_'.join(names)}.json"
+    command = "ppqa " + " ".join(shlex.quote(a) for a in sys.argv[1:])  # argv[1] is "bench"
+    results = e2e.run_e2e(opts, out, command, say)
+    _show_e2e(results["workloads"], plot)
+    say(f"results written to {out}")
+
+
+def _show_e2e(workloads: list[dict], plot: Path | None) -> None:
+    from ppqa.bench import e2e_report
+
+    print(e2e_report.markdown_table(workloads))
+    if plot is not None and not e2e_report.plot_speedups(workloads, plot):
+        say("matplotlib is not installed: no plot written (pip install matplotlib)")

@@ -5,7 +5,9 @@
     then loaded as a GGUF file;
   - a path to a `.gguf` file (`gguf.py`, dequantized with the `gguf` package);
   - a path to a Hugging Face directory (`hf.py`: config.json + safetensors);
-  - `dummy:<preset>` (`presets.py`: seeded random weights, no files).
+  - `dummy:<preset>` (`presets.py`: seeded random weights, no files), with the byte tokenizer;
+    `dummy:<preset>+bpe` gives it SmolLM2's BPE tokenizer instead (`bpe.py`) and a vocabulary of
+    that size.
 Every source yields the same thing: a `ModelConfig` and weights under Hugging Face Llama names,
 already in the requested dtype and on the requested device, produced one tensor at a time so the
 engine (which builds its model on the meta device) never holds two copies of a large model.
@@ -24,6 +26,7 @@ import torch
 from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 
 DUMMY_PREFIX = "dummy:"
+BPE_SUFFIX = "+bpe"
 
 
 def preset_names() -> list[str]:
@@ -56,7 +59,7 @@ def load_model(spec: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     raise ModelLoadError(
         f"unknown model {spec!r}: not an embedded model ({', '.join(model_cache.EMBEDDED)}), not an "
         f"existing .gguf file or Hugging Face directory, not a model in the cache "
-        f"({model_cache.models_dir()}), and not dummy:<preset> (presets: {', '.join(preset_names())}). "
+        f"({model_cache.models_dir()}), and not dummy:<preset>[+bpe] (presets: {', '.join(preset_names())}). "
         f"Run `ppqa models list` to see what is available."
     )
 
@@ -93,14 +96,23 @@ def _load_path(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loade
 def _load_dummy(name: str, *, device: torch.device, dtype: torch.dtype, seed: int) -> LoadedModel:
     from ppqa.engine.loading import presets
 
-    if name not in presets.PRESETS:
-        raise ModelLoadError(f"unknown dummy preset {name!r}: available presets are "
-                             f"{', '.join(presets.preset_names())} (use dummy:<preset>)")
-    config, init_std, tokenizer = presets.preset_config(name)
+    base = name.removesuffix(BPE_SUFFIX)
+    if base not in presets.PRESETS:
+        raise ModelLoadError(f"unknown dummy preset {base!r}: available presets are "
+                             f"{', '.join(presets.preset_names())} (use dummy:<preset>, or "
+                             f"dummy:<preset>{BPE_SUFFIX} for SmolLM2's BPE tokenizer)")
+    config, init_std, tokenizer = presets.preset_config(base)
+    about = f"random, seed {seed}, std {init_std}"
+    if name != base:
+        from ppqa.engine.loading.bpe import BPE_MODEL, bpe_tokenizer
+
+        tokenizer = bpe_tokenizer()
+        config = presets.with_tokenizer(config, tokenizer, BPE_SUFFIX)
+        about += f", {BPE_MODEL}'s BPE tokenizer, vocabulary {config.vocab_size}"
     count = sum(1 for _ in presets.weight_shapes(config))
 
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
         return presets.dummy_weights(config, init_std, device=device, dtype=dtype, seed=seed)
 
     return LoadedModel(config=config, weights=LazyWeights(produce, count), tokenizer=tokenizer,
-                       source=f"dummy:{name} (random, seed {seed}, std {init_std})")
+                       source=f"dummy:{name} ({about})")

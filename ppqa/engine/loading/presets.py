@@ -87,6 +87,13 @@ def preset_config(name: str) -> tuple[ModelConfig, float, ByteTokenizer]:
     return config, preset.init_std, tokenizer
 
 
+def with_tokenizer(config: ModelConfig, tokenizer, suffix: str) -> ModelConfig:
+    """A preset's config fitted to another tokenizer: its vocabulary (embedding and lm_head
+    shapes), BOS and EOS ids; `suffix` marks the name (e.g. "+bpe")."""
+    return replace(config, name=config.name + suffix, vocab_size=tokenizer.vocab_size,
+                   bos_token_id=tokenizer.bos_token_id, eos_token_ids=list(tokenizer.eos_token_ids))
+
+
 def weight_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Hugging Face Llama weight names and shapes of a config, in a fixed order."""
     h, q_out, kv_out = config.hidden_size, config.num_heads * config.head_dim, \

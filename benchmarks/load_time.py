@@ -1,0 +1,60 @@
+"""Load time of a 7B-sized Hugging Face folder made from dummy weights (ppqa/bench/load_time.py).
+
+Writes the folder once (config.json + 5 GB safetensors shards + index + SmolLM2's tokenizer;
+skipped when FOLDER already has a config.json, unless --rewrite), then times `load_model`, a read
+of every weight to the device and the whole `Engine(FOLDER)` construction, each after dropping the
+shards from the page cache, and prints one JSON object (also written to --out).
+
+    python benchmarks/load_time.py --model dummy:codellama-7b+bpe --folder /tmp/ppqa-7b \
+        --device cuda --drop-caches [--out load_time.json]
+    python benchmarks/load_time.py --model dummy:tiny-gqa+bpe --folder /tmp/tiny-hf --device cpu
+
+`+bpe` needs the SmolLM2 GGUF (or its saved tokenizer) in the model cache ($PPQA_HOME/models).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ppqa.bench.load_time import time_load, write_hf_folder
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="dummy:codellama-7b+bpe",
+                        help="a dummy:<preset>+bpe spec whose weights fill the folder")
+    parser.add_argument("--folder", type=Path, required=True, help="where the folder is written")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--shard-gb", type=float, default=5.0, help="largest shard, in GB")
+    parser.add_argument("--rewrite", action="store_true", help="write the folder even if present")
+    parser.add_argument("--no-engine", action="store_true", help="skip the Engine construction")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="also drop the whole page cache before each timing (root; only on a "
+                             "machine of your own, such as the GPU machine)")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+
+    dtype = DTYPES[args.dtype]
+    result = {}
+    if args.rewrite or not (args.folder / "config.json").exists():
+        # Generate on the device (seconds for 7B on a GPU), write from host memory.
+        result["written"] = write_hf_folder(args.model, args.folder, device=args.device,
+                                            dtype=dtype, shard_bytes=int(args.shard_gb * 1e9))
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    result["load"] = time_load(args.folder, device=args.device, dtype=dtype,
+                               engine=not args.no_engine, drop_caches=args.drop_caches)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""How fast real weights load: a Hugging Face folder written from dummy weights, then timed.
+
+`write_hf_folder(spec, folder)` writes what a downloaded model folder holds: config.json,
+safetensors shards of at most `shard_bytes` with their index, and the tokenizer, from the
+seeded weights of a dummy preset (`dummy:<preset>+bpe`: the folder needs a real tokenizer, so
+SmolLM2's is saved with it). `time_load(folder)` then times, each after asking the OS to drop the
+shards from its page cache (fsync + posix_fadvise DONTNEED; with `drop_caches=True` also the
+whole machine's page cache, as root only: not on a machine others share):
+    load_model(folder)     config, shape checks, tokenizer (reads no weights)
+    read                   every weight through the loader to the device (hf.py: safe_open,
+                           memory-mapped, one tensor at a time), GB/s of the files' bytes
+    Engine(folder)         the whole construction: weights, KV pool and the rest
+`benchmarks/load_time.py` is the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ppqa.engine.model.config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def hf_config_json(config: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json as transformers writes it for Llama (or Qwen2 when q/k/v have biases)."""
+    qwen = config.attention_bias
+    return {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling, "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias, "use_sliding_window": False,
+        "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+        "torch_dtype": str(dtype).removeprefix("torch."), "_name_or_path": config.name,
+    }
+
+
+def write_hf_folder(spec: str, folder: Path, *, device: str = "cpu",
+                    dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 5 * 10**9,
+                    seed: int = 0) -> dict:
+    """Write the folder (see the module doc); config.json last, so a folder that has one is
+    complete. Returns what was written: bytes, shards, seconds."""
+    from safetensors.torch import save_file
+
+    from ppqa.engine.loading.loader import load_model
+
+    loaded = load_model(spec, device=device, dtype=dtype, seed=seed)
+    if not hasattr(loaded.tokenizer, "hf"):
+        raise ValueError(f"{spec}: an HF folder needs a real tokenizer; use a dummy:<preset>+bpe "
+                         "model (SmolLM2's tokenizer is saved with the weights)")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").unlink(missing_ok=True)
+    for old in shard_files(folder):
+        old.unlink()
+    t0 = time.perf_counter()
+    shards: list[dict] = [{}]  # per shard: name -> tensor until written, then -> its file
+    sizes = [0]
+    for name, tensor in loaded.weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + nbytes > shard_bytes:
+            path = folder / f"model-{len(shards):05d}.tmp"
+            save_file(shards[-1], str(path), metadata={"format": "pt"})
+            shards[-1] = {n: path for n in shards[-1]}  # written: keep only the names
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor.to("cpu").contiguous()
+        sizes[-1] += nbytes
+    path = folder / f"model-{len(shards):05d}.tmp"
+    save_file(shards[-1], str(path), metadata={"format": "pt"})
+    total = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):  # the HF naming: model-0000i-of-0000n.safetensors
+        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        (folder / f"model-{i + 1:05d}.tmp").replace(folder / final)
+        weight_map.update({n: final for n in shard})
+    (folder / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
+    loaded.tokenizer.hf.save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps(hf_config_json(loaded.config, dtype), indent=1))
+    seconds = time.perf_counter() - t0
+    return {"spec": spec, "folder": str(folder), "bytes": sum(sizes), "shards": total,
+            "write_s": seconds, "write_gb_per_s": sum(sizes) / seconds / 1e9}
+
+
+def shard_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def evict(folder: Path, drop_caches: bool = False) -> str:
+    """Ask the OS to drop the shards from its page cache; says what was tried and what worked."""
+    done = []
+    try:
+        for path in shard_files(folder):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        done.append("fadvise")
+    except (OSError, AttributeError) as exc:
+        done.append(f"fadvise failed ({exc})")
+    if drop_caches:
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            done.append("drop_caches")
+        except OSError as exc:  # not root, or a sandbox without it
+            done.append(f"drop_caches failed ({exc.strerror})")
+    return ", ".join(done)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_load(folder: Path, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+              engine: bool = True, drop_caches: bool = False) -> dict:
+    """Time the three steps of the module doc on `folder`; seconds and GB/s."""
+    from ppqa.engine.loading.loader import load_model
+
+    dev = torch.device(device)
+    file_bytes = sum(p.stat().st_size for p in shard_files(folder))
+    out: dict = {"folder": str(folder), "device": str(dev), "dtype": str(dtype),
+                 "file_bytes": file_bytes}
+    out["evicted"] = evict(folder, drop_caches)
+    t0 = time.perf_counter()
+    loaded = load_model(str(folder), device=dev, dtype=dtype)
+    out["load_model_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    count = 0
+    for _, tensor in loaded.weights:
+        count += 1
+        del tensor
+    _sync(dev)
+    out["read_s"] = time.perf_counter() - t0
+    out["tensors"] = count
+    out["read_gb_per_s"] = file_bytes / out["read_s"] / 1e9
+    if engine:
+        from ppqa import Engine
+
+        del loaded
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        evict(folder, drop_caches)
+        t0 = time.perf_counter()
+        eng = Engine(str(folder), device=str(dev), dtype=dtype)
+        _sync(dev)
+        out["engine_s"] = time.perf_counter() - t0
+        out["engine_gb_per_s"] = file_bytes / out["engine_s"] / 1e9
+        out["kv_capacity_tokens"] = eng.kv_capacity
+    return out

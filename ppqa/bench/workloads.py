@@ -1,0 +1,239 @@
+"""The named workloads of `ppqa bench --e2e`: seeded documents, varied questions, answer budgets.
+
+A `Workload` is groups of documents (`DocGroup`: how many, their length in tokens of the model's
+own tokenizer, questions each, answer budget). `make_jobs(workload, tokenizer)` draws them from
+the seed: each document is a slice of the project's synthetic prose (`grid.synthetic_text`) of
+the drawn length, each question one of the forms below with the document's words filled in, each
+answer budget fixed or drawn per question. Dummy weights seldom emit EOS, so an answer ends at its
+budget, as EOS would end it; budgets drawn per question are rounded to `budget_step` and a
+document's questions of one budget make one job (the store keeps one budget per job), so its
+streams finish at different steps. `write_batch` writes the jobs as an `ppqa ingest --batch`
+file with each document once beside it (e2e.py ingests it).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ppqa.bench.grid import _OBJECTS, _SUBJECTS, _TIMES, _VERBS, synthetic_text
+
+# Free-form questions (template qa): 15-30 BPE tokens each once filled in.
+_QA_FORMS = (
+    "What did {s} do {t}, according to paragraph {p}?",
+    "According to the document, who {v} {o}, and when did that happen?",
+    "Summarize in one sentence what paragraph {p} says about {s}.",
+    "Why does the text mention {o} in paragraph {p}, and what came of it?",
+    "Which of the events described between paragraphs {p} and {p2} involved {s}?",
+    "What happened to {o} {t}, and who was responsible for it?",
+    "Compare what {s} did {t} with what {s2} did in paragraph {p2}.",
+    "How many times does the document say that {s} {v} {o}?",
+    "List the groups and places that paragraph {p} connects with {o}.",
+    "Is there any paragraph where {s2} {v} {o} {t}? Give its number.",
+)
+# Classification questions (template label).
+_LABEL_FORMS = (
+    "Which topic does paragraph {p} mostly concern: trade, weather, building, law or festivals?",
+    "Is the tone of paragraph {p} positive, negative or neutral?",
+    "Does the document say that {s} {v} {o}? Answer yes, no or unclear.",
+    "Which group acts first in paragraph {p}: {s} or {s2}?",
+    "What kind of event does paragraph {p} describe: a disaster, a celebration, a construction "
+    "or a dispute?",
+    "Is {o} in paragraph {p2} described as a success or a failure?",
+)
+
+
+@dataclass(frozen=True)
+class DocGroup:
+    documents: int
+    doc_tokens: int  # mean length; lengths are spread evenly over +-doc_spread of it
+    questions: int  # per document
+    answer_tokens: int  # the budget, or the mean of budgets drawn from answer_range
+    answer_range: tuple[int, int] | None = None  # per-question budgets, triangular on this range
+    doc_spread: float = 0.0  # fraction
+
+    def __post_init__(self) -> None:
+        if min(self.documents, self.doc_tokens, self.questions, self.answer_tokens) < 1:
+            raise ValueError(f"DocGroup counts must be >= 1, got {self}")
+        if not 0.0 <= self.doc_spread < 1.0:
+            raise ValueError(f"DocGroup.doc_spread must be in [0, 1), got {self.doc_spread}")
+        if self.answer_range is not None:
+            low, high = self.answer_range
+            # a triangular draw on [low, high] has mean (low + high + mode) / 3
+            if not 1 <= low <= self.answer_tokens <= high or \
+                    not low <= 3 * self.answer_tokens - low - high <= high:
+                raise ValueError(f"DocGroup: no triangular draw on {self.answer_range} has mean "
+                                 f"{self.answer_tokens}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str  # the default model spec (`--model` overrides it)
+    groups: tuple[DocGroup, ...]
+    template: str = "qa"  # qa or label (the question forms follow it)
+    seed: int = 0
+    budget_step: int = 1  # per-question budgets are rounded to a multiple of this
+    arrivals: bool = False  # ingested at a steady rate while a `ppqa run --follow` worker runs
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.template not in ("qa", "label"):
+            raise ValueError(f"Workload.template must be qa or label, got {self.template!r}")
+        if not self.groups or self.budget_step < 1:
+            raise ValueError("a Workload needs document groups and budget_step >= 1")
+
+
+@dataclass
+class JobSpec:
+    """One job to ingest: a document (by index), its questions (id, text) and their budget."""
+
+    document: int
+    name: str
+    questions: list[tuple[str, str]]
+    max_new_tokens: int
+    template: str
+
+
+@dataclass
+class Jobs:
+    """A drawn workload: the document texts, their token counts and the jobs over them."""
+
+    documents: list[str]
+    doc_tokens: list[int]
+    jobs: list[JobSpec] = field(default_factory=list)
+
+
+_CODELLAMA, _QWEN = "dummy:codellama-7b+bpe", "dummy:qwen2.5-7b+bpe"
+_LABELING = (DocGroup(100, 2048, 16, 64),)
+_TINY = (DocGroup(3, 200, 4, 8),)
+WORKLOADS: dict[str, Workload] = {w.name: w for w in [
+    Workload("paper", _CODELLAMA, (DocGroup(4, 16384, 256, 128), DocGroup(4, 8192, 64, 128)),
+             description="4 documents of 16k tokens x 256 questions + 4 of 8k x 64, 128-token answers"),
+    Workload("labeling", _CODELLAMA, _LABELING, template="label",
+             description="100 documents of 2k tokens x 16 questions, 64-token answers"),
+    Workload("labeling-short", _CODELLAMA, (DocGroup(200, 2048, 32, 8),), template="label",
+             description="200 documents of 2k tokens x 32 questions, 8-token answers"),
+    Workload("quality", _QWEN, (DocGroup(115, 5700, 18, 16, doc_spread=0.3),),
+             description="QuALITY-shaped: 115 documents of ~5.7k tokens x 18 questions, "
+                         "16-token answers"),
+    Workload("loogle", _QWEN, (DocGroup(96, 19900, 18, 234, answer_range=(60, 400),
+                                        doc_spread=0.2),), budget_step=50,
+             description="LooGLE-shaped: 96 documents of ~19.9k tokens x 18 questions, answers "
+                         "of 60-400 tokens (mean ~234), one job per (document, budget)"),
+    Workload("arrivals", _CODELLAMA, _LABELING, template="label", arrivals=True,
+             description="the labeling jobs ingested at a steady rate while `ppqa run --follow` "
+                         "runs: throughput and latency from ingest to a job's last answer"),
+    Workload("tiny", "dummy:tiny-gqa", _TINY,
+             description="3 documents of 200 tokens x 4 questions, 8-token answers (CPU tests)"),
+    Workload("tiny-arrivals", "dummy:tiny-gqa", _TINY, arrivals=True,
+             description="the tiny jobs arriving while `ppqa run --follow` runs (CPU tests)"),
+]}
+
+
+def get_workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}: known workloads are {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]
+
+
+def make_document(tokenizer, tokens: int, seed: int) -> tuple[str, int]:
+    """(text, its token count): a seeded slice of the synthetic prose of `tokens` tokens (a BPE
+    tokenizer may merge a few tokens differently once the slice is decoded and re-encoded)."""
+    paragraphs = 8 + tokens // 40  # a paragraph is ~60 BPE tokens (~350 bytes)
+    text = synthetic_text(seed, paragraphs)
+    ids = tokenizer.encode(text)
+    while len(ids) < tokens + 64:  # a longer text of the same seed starts with the shorter one
+        paragraphs *= 2
+        text = synthetic_text(seed, paragraphs)
+        ids = tokenizer.encode(text)
+    start = random.Random(seed).randrange(0, len(ids) - tokens)
+    document = tokenizer.decode(ids[start:start + tokens]).strip()
+    return document, len(tokenizer.encode(document))
+
+
+def make_question(rng: random.Random, forms: tuple[str, ...]) -> str:
+    paragraph = rng.randint(1, 300)
+    return rng.choice(forms).format(
+        s=rng.choice(_SUBJECTS), s2=rng.choice(_SUBJECTS), v=rng.choice(_VERBS),
+        o=rng.choice(_OBJECTS), t=rng.choice(_TIMES), p=paragraph,
+        p2=paragraph + rng.randint(1, 12))
+
+
+def _budgets(group: DocGroup, rng: random.Random, step: int) -> list[int]:
+    if group.answer_range is None:
+        return [group.answer_tokens] * group.questions
+    low, high = group.answer_range
+    mode = 3 * group.answer_tokens - low - high
+    return [min(high, max(low, step * round(rng.triangular(low, high, mode) / step)))
+            for _ in range(group.questions)]
+
+
+def make_jobs(workload: Workload, tokenizer, max_docs: int | None = None) -> Jobs:
+    """Draw the workload from its seed with `tokenizer` (the model's); see the module doc.
+    `max_docs` keeps the first documents of each group only (quick trials)."""
+    rng = random.Random(workload.seed)
+    forms = _LABEL_FORMS if workload.template == "label" else _QA_FORMS
+    out = Jobs([], [])
+    for g, group in enumerate(workload.groups):
+        count = min(group.documents, max_docs or group.documents)
+        # Lengths evenly spaced over +-doc_spread, shuffled: their mean is doc_tokens exactly.
+        lengths = [round(group.doc_tokens * (1 + group.doc_spread * (2 * (i + 0.5) / count - 1)))
+                   for i in range(count)]
+        rng.shuffle(lengths)
+        for tokens in lengths:
+            index = len(out.documents)
+            text, length = make_document(tokenizer, tokens, seed=workload.seed * 100_003 + index)
+            out.documents.append(text)
+            out.doc_tokens.append(length)
+            questions: list[str] = []
+            while len(questions) < group.questions:  # millions of forms: a repeat is rare
+                q = make_question(rng, forms)
+                if q not in questions:
+                    questions.append(q)
+            by_budget: dict[int, list[tuple[str, str]]] = {}
+            for i, (q, budget) in enumerate(zip(questions, _budgets(group, rng, workload.budget_step))):
+                by_budget.setdefault(budget, []).append((f"q{i + 1}", q))
+            for budget, qs in sorted(by_budget.items()):
+                out.jobs.append(JobSpec(index, f"{workload.name}-g{g}-d{index:03d}", qs, budget,
+                                        workload.template))
+    return out
+
+
+def write_batch(jobs: Jobs, folder: Path, specs: list[JobSpec] | None = None,
+                name: str = "batch.jsonl") -> Path:
+    """An `ppqa ingest --batch` file of `specs` (default: every job) in `folder`, the
+    documents written once each under folder/docs/ and referenced by path."""
+    docs = folder / "docs"
+    docs.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for job in jobs.jobs if specs is None else specs:
+        doc = docs / f"d{job.document:04d}.txt"
+        if not doc.exists():
+            doc.write_text(jobs.documents[job.document], encoding="utf-8")
+        lines.append(json.dumps({
+            "document_path": f"docs/{doc.name}", "name": job.name, "template": job.template,
+            "max_new_tokens": job.max_new_tokens,
+            "questions": [{"id": qid, "question": q} for qid, q in job.questions]}))
+    path = folder / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def describe(workload: Workload, jobs: Jobs, tokenizer) -> dict:
+    """What was drawn, for the results JSON: counts and token lengths (min/mean/max)."""
+    question_tokens = [len(tokenizer.encode(q)) for j in jobs.jobs for _, q in j.questions]
+    budgets = [j.max_new_tokens for j in jobs.jobs for _ in j.questions]
+
+    def spread(values: list[int]) -> dict:
+        return {"min": min(values), "mean": round(statistics.fmean(values), 1), "max": max(values)}
+
+    return {"name": workload.name, "description": workload.description,
+            "template": workload.template, "seed": workload.seed,
+            "documents": len(jobs.documents), "jobs": len(jobs.jobs),
+            "questions": len(question_tokens), "doc_tokens": spread(jobs.doc_tokens),
+            "question_tokens": spread(question_tokens), "answer_budget": spread(budgets),
+            "answer_budget_total": sum(budgets), "arrivals": workload.arrivals}

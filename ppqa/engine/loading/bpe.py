@@ -1,0 +1,93 @@
+"""SmolLM2's BPE tokenizer for dummy models: `dummy:<preset>+bpe` (engine/loading/loader.py).
+
+Random weights do not care which tokenizer feeds them, but a benchmark does: with the byte
+tokenizer a question is ~60 tokens and a "16k-token" document 16 kB of text. With a real BPE
+vocabulary (49,152 tokens) a question is ~20 tokens, as it is with real models, and every id a
+random model emits decodes to text, so comparing answers across modes compares real strings.
+
+The tokenizer comes from the embedded SmolLM2 GGUF in the model cache (`model_cache.ensure`, so
+it works offline once the file is there). Building it from GGUF metadata takes ~5 s (transformers
+rebuilds the vocabulary in Python) and needs the `gguf` package; the result is saved once as a
+`tokenizer.json` folder beside the GGUF file and later loads in ~0.3 s, without `gguf`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ppqa.engine.loading.types import ModelLoadError
+
+BPE_MODEL = "smollm2"  # the embedded model whose tokenizer `+bpe` borrows
+
+
+def tokenizer_dir(root: Path | None = None) -> Path:
+    """Where the saved tokenizer lives: beside the GGUF, named after its checksum."""
+    from ppqa.engine.loading import model_cache
+
+    model = model_cache.EMBEDDED[BPE_MODEL]
+    return model_cache.embedded_path(BPE_MODEL, root).parent / f"tokenizer-{model.sha256[:12]}"
+
+
+def bpe_tokenizer(root: Path | None = None):
+    """SmolLM2's tokenizer as an `HFTokenizer` (the saved folder if present, else built from the
+    GGUF and saved)."""
+    from ppqa.engine.loading.tokenizer import HFTokenizer
+
+    saved = tokenizer_dir(root)
+    if (saved / "tokenizer.json").is_file():
+        try:
+            return HFTokenizer(_load_saved(saved))
+        except Exception as e:  # noqa: BLE001 -- transformers raises many kinds on a bad folder
+            raise ModelLoadError(f"cannot load the saved {BPE_MODEL} tokenizer in {saved} "
+                                 f"(delete the folder to rebuild it): {type(e).__name__}: {e}") from e
+    hf = _build_from_gguf(saved, root)
+    _save(hf, saved)
+    return HFTokenizer(hf)
+
+
+def _load_saved(saved: Path):
+    # Not AutoTokenizer: transformers 5 swaps in another pre-tokenizer for this folder (it then
+    # splits "\n\n" differently); the fast class keeps the one in tokenizer.json.
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(saved), local_files_only=True)
+
+
+def _build_from_gguf(saved: Path, root: Path | None):
+    from ppqa.engine.loading import model_cache
+    from ppqa.engine.loading.gguf import _hf_tokenizer
+
+    path = model_cache.ensure(BPE_MODEL, root)
+    try:
+        import gguf  # noqa: F401 -- transformers needs it to read GGUF metadata
+    except ImportError as e:
+        raise ModelLoadError(f"the +bpe tokenizer is built once from {path}, which needs the `gguf` "
+                             f"package (pip install gguf), or copy a saved {saved.name} folder "
+                             f"into {saved.parent}") from e
+    return _hf_tokenizer(str(path.resolve()), path.resolve().stat().st_mtime_ns)
+
+
+# Text whose tokens tell tokenizers apart: blank lines, runs of spaces, digits, accents, CJK.
+_PROBE = "Read the document.\n\nDocument:\n  Caf\u00e9 2024 -- 12,345 \u6771\u4eac\tend.\n\n\nQ: why?"
+
+
+def _save(hf, saved: Path) -> None:
+    """Save `hf` as `saved` if the saved copy tokenizes the probe as `hf` does (else keep none:
+    every load then builds from the GGUF, slowly but right)."""
+    tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
+    try:
+        hf.save_pretrained(str(tmp))
+        again = _load_saved(tmp)
+        if again.encode(_PROBE, add_special_tokens=False) != hf.encode(_PROBE, add_special_tokens=False) \
+                or again.chat_template != hf.chat_template or len(again) != len(hf):
+            return
+        try:
+            os.replace(tmp, saved)  # atomic: a concurrent builder's folder wins, equal anyway
+        except OSError:
+            if not (saved / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
