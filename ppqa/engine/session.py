@@ -77,6 +77,7 @@ class EngineSession:
         self.stats = RunStats()
         self.started = time.perf_counter()
         self._in_flight: _Launched | None = None
+        self._last_read = 0.0  # when the last decode step's tokens came back
         self._modes: set[str] = set()
         tokenizer = engine.tokenizer
         self._eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
@@ -315,10 +316,14 @@ class EngineSession:
         tokens = launched.read()
         now = time.perf_counter()
         step, stats = launched.step, self.stats
-        if charge:  # a decode step's time, from its launch to its tokens, shared by its streams
+        if charge:
+            # A decode step's time, shared by its streams: from its launch (or the previous
+            # step's read, when it was launched behind that one) to its tokens, so that steps in
+            # flight together are not counted twice.
             fed = [s for req, mask in zip(step.requests, step.fed) if req.row >= 0
                    for i, s in enumerate(req.streams) if mask[i]]
-            _charge(fed, "decode_s", now - launched.launched_at)
+            _charge(fed, "decode_s", now - max(launched.launched_at, self._last_read))
+            self._last_read = now
         finished = self.sched.postprocess(step, tokens, eos_ids=self._eos,
                                           decode=self.engine.tokenizer.decode, now=now)
         modes = {id(s): (r.mode, r.width) for r in step.requests for s in r.streams}
