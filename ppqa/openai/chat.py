@@ -29,7 +29,7 @@ from ppqa.store.openai_batches import ingest_chat
 from ppqa.store.openai_results import ChoiceResult, question_results
 
 CHAT_PRIORITY = 1
-LABEL = "request"
+LABEL = "chat"  # document names ("chat group 1") and messages
 
 
 class ChatFailed(RuntimeError):

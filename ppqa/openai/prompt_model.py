@@ -7,6 +7,7 @@ is read); a server with a worker takes it from its engine (`engine_prompt_model`
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from ppqa.store.errors import InputError
@@ -32,6 +33,8 @@ def load_prompt_model(spec: str) -> PromptModel:
 
 
 def engine_prompt_model(engine, spec: str) -> PromptModel:
-    """The same from a loaded Engine; its KV pool may hold less than the context."""
+    """The same from a loaded Engine (its KV pool may hold less than the context), with a copy
+    of its tokenizer: the server's threads plan while the worker's thread tokenizes, and a
+    `tokenizers` object is not meant to be shared between threads."""
     context = min(engine.model_config.max_position_embeddings, engine.kv_capacity)
-    return PromptModel(spec, engine.tokenizer, context)
+    return PromptModel(spec, copy.deepcopy(engine.tokenizer), context)
