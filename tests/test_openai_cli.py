@@ -100,3 +100,11 @@ def test_a_cancelled_request_exports_as_an_error(cli, tmp_path):
     [line] = export_lines(cli, "--all")
     assert line["custom_id"] == "only" and line["response"] is None
     assert line["error"]["code"] == "batch_cancelled"
+
+
+def test_serve_refuses_a_bad_model_before_listening(cli):
+    result = cli("serve", "--model", "dummy:nope", ok=False)
+    assert result.exit_code == 2
+    assert "cannot load the tokenizer of model 'dummy:nope'" in result.stderr
+    result = cli("serve", "--model", MODEL, "--mode", "fastest", ok=False)
+    assert result.exit_code == 2 and "--mode" in result.stderr

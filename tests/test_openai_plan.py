@@ -188,9 +188,11 @@ def test_one_request_shares_what_precedes_its_last_message():
 
 
 def test_prompts_that_do_not_fit_the_context_are_refused_with_their_line():
-    text = line("a", body(FERRY, "q", max_tokens=8)) + "\n" + line("b", body(TOWN, "q", max_tokens=90))
-    with pytest.raises(BatchFileError, match=r"requests.jsonl:2: the prompt \(\d+ tokens\) \+ "
-                                             r"max_tokens \(90\) exceed the model's context of 200"):
+    text = "\n".join([line("a", body(FERRY, "q", max_tokens=8)),
+                      line("b", body(TOWN, "q", max_tokens=90))])
+    refused = (r"requests.jsonl:2: the prompt \(\d+ tokens\) \+ max_tokens \(90\) exceed the "
+               r"model's context of 200")
+    with pytest.raises(BatchFileError, match=refused):
         plan_batch_file(text, "requests.jsonl", byte_model(context=200))
     # Without max_tokens the answer gets what the context leaves, at most the default.
     unbounded = line("a", {"messages": [{"role": "user", "content": "hi"}]})

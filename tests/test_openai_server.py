@@ -210,7 +210,8 @@ def test_chat_completions_from_16_threads_about_one_document(served, engine):
 
 def test_api_errors_are_openai_error_bodies(served):
     client = served.client(max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="response_format is not supported yet") as info:
+    refused = "response_format is not supported yet"
+    with pytest.raises(openai.BadRequestError, match=refused) as info:
         client.chat.completions.create(**chat_body(FERRY, "When?", response_format={
             "type": "json_schema", "json_schema": {"name": "a", "schema": {}}}))
     assert info.value.body["param"] == "response_format"

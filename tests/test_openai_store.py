@@ -58,7 +58,7 @@ def test_batch_lifecycle_to_completed(any_db):
     assert row.status == "validating" and row.counts == (0, 0, 0)
     row, results = batches.ingest_plan(any_db, plan(), model=MODEL, batch=row.public_id)
     assert row.status == "in_progress" and row.counts == (3, 0, 0) and row.jobs_open == 1
-    assert not row.due
+    assert not row.due and batches.due_batches(any_db) == []
     assert batches.finalize_batch(any_db, row.public_id, batch_files).status == "in_progress"
     [claim] = queue.claim_jobs(any_db, "w", 60)
     for q in claim.questions:
@@ -68,6 +68,7 @@ def test_batch_lifecycle_to_completed(any_db):
         prompt_tokens=3, answer_tokens=6))
     row = batches.get_batch(any_db, row.public_id)
     assert row.due and row.counts == (3, 3, 0)
+    assert batches.due_batches(any_db) == [row.public_id]
     row = batches.finalize_batch(any_db, row.public_id, batch_files)
     assert row.status == "completed" and row.completed_at is not None
     assert row.output_file_id and row.error_file_id is None
@@ -89,6 +90,7 @@ def test_expired_batch_cancels_its_jobs_and_reports_them(any_db):
     row = new_batch(any_db, window=timedelta(seconds=0))
     row, _ = batches.ingest_plan(any_db, plan(2), model=MODEL, batch=row.public_id)
     assert row.due  # its window is over while its job is still queued
+    assert batches.due_batches(any_db) == [row.public_id]
     row = batches.finalize_batch(any_db, row.public_id, batch_files)
     assert row.status == "expired" and row.expired_at is not None and row.output_file_id is None
     assert row.counts == (2, 0, 2)

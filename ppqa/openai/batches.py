@@ -64,9 +64,9 @@ class BatchService:
 
     def refresh_open(self) -> None:
         """The monitor's tick: finalize every open batch that is due."""
-        for batch in store.batches_with_status(self.db, store.OPEN_STATUSES):
+        for batch in store.due_batches(self.db):
             try:
-                self.retrieve(batch)
+                store.finalize_batch(self.db, batch, batch_files)
             except StoreError as exc:  # a store briefly unreachable: the next tick retries
                 log.warning("batch %s: %s", batch, exc)
 

@@ -174,6 +174,27 @@ def batches_with_status(db: Database, statuses: tuple[str, ...]) -> list[str]:
             OpenAIBatch.status.in_(statuses)).order_by(OpenAIBatch.id)).scalars())
 
 
+def due_batches(db: Database) -> list[str]:
+    """Open batches that `finalize_batch` would end now: past their expiry, or without a
+    queued or running job (an EXISTS per batch, not a read of every request row)."""
+    with db.read() as conn:
+        now = db.now(conn)
+        rows = conn.execute(select(OpenAIBatch.id, OpenAIBatch.public_id, OpenAIBatch.expires_at)
+                            .where(OpenAIBatch.status.in_(OPEN_STATUSES))
+                            .order_by(OpenAIBatch.id)).all()
+        due = []
+        for pk, public_id, expires_at in rows:
+            open_job = (select(OpenAIRequest.id)
+                        .join(Question, Question.id == OpenAIRequest.question_id)
+                        .join(Job, Job.id == Question.job_id)
+                        .where(OpenAIRequest.batch_id == pk, Job.status.in_((QUEUED, RUNNING)))
+                        .limit(1))
+            if (expires_at is not None and now >= expires_at) or \
+                    conn.execute(open_job).first() is None:
+                due.append(public_id)
+    return due
+
+
 def cancel_batch(db: Database, batch: str) -> BatchRow:
     """Validating: cancelled at once. In progress: its open jobs cancelled, the batch
     `cancelling` until `finalize_batch` writes what was answered. Else StoreError."""
