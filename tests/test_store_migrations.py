@@ -45,7 +45,7 @@ def test_blank_database_migrates_to_the_orm_schema(db_location):
     with db.read() as conn:
         migrated = schema_of(conn)
     assert set(migrated) == {"ppqa_migrations", "documents", "jobs", "questions", "answers",
-                             "reports"}
+                             "reports", "openai_files", "openai_batches", "openai_requests"}
     assert migrated == orm_schema(db)
     db.close()
 
@@ -81,7 +81,7 @@ def test_older_database_is_upgraded_in_place(db_location):
                           "created_at) VALUES (1, 'Because.', 2, 'stop', '2026-01-02 03:04:06')"))
     with db.read() as conn:
         assert "reports" not in inspect(conn).get_table_names()
-    assert migrate(db) == [name for name, _ in MIGRATIONS[1:]]
+    assert migrate(db) == [name for name, _ in MIGRATIONS[1:]]  # every later one, in order
     with db.read() as conn:
         upgraded = schema_of(conn)
         assert conn.execute(text("SELECT text FROM documents")).scalar_one() == "Old text."

@@ -29,6 +29,7 @@ COMMAND_MODULES: list[tuple[str, str | None]] = [
     ("control", None),  # cancel, retry
     ("models", "models"),
     ("bench", None),
+    ("serve", None),
 ]
 
 

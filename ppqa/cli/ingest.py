@@ -29,6 +29,8 @@ Examples:
   cat notes.txt | ppqa ingest - questions.jsonl --json
 
   ppqa ingest --batch many.jsonl
+
+  ppqa ingest --openai-batch requests.jsonl --model smollm2
 """
 
 
@@ -46,6 +48,14 @@ def ingest(
                         '"document_path": "...", "questions": [...], "name": ..., "id": ...} a '
                         "line; a line may also set template, max_new_tokens, temperature, top_p, "
                         "seed, mode, model or priority.", show_default=False)] = None,
+    openai_batch: Annotated[Path | None, typer.Option(
+        "--openai-batch", help="An OpenAI Batch file: one {\"custom_id\", \"method\": \"POST\", "
+                               '"url": "/v1/chat/completions", "body": {...}} a line. Prompts are '
+                               "rendered with --model's chat template (default smollm2) and "
+                               "grouped by shared prefix, one document per group; each line "
+                               "carries its own max_tokens, temperature, top_p, seed, stop and n. "
+                               "Read back with ppqa export --format openai-batch.",
+        show_default=False)] = None,
     name: Annotated[str | None, typer.Option(
         help="Document name shown in status and exports, e.g. --name q3-report. "
              "Default: the file name without extension.", show_default=False)] = None,
@@ -74,6 +84,11 @@ def ingest(
     options = {"template": template, "max_new_tokens": max_new_tokens,
                "temperature": temperature, "top_p": top_p, "seed": seed, "mode": mode,
                "model": model, "priority": priority}
+    if openai_batch is not None:
+        if document is not None or questions is not None or batch is not None or name:
+            raise InputError("--openai-batch FILE takes no DOCUMENT, QUESTIONS, --batch or --name")
+        _ingest_openai_batch(ctx, openai_batch, model or "smollm2", priority, force, json_out)
+        return
     if batch is not None:
         if document is not None or questions is not None:
             raise InputError("give either DOCUMENT QUESTIONS or --batch FILE, not both")
@@ -100,6 +115,25 @@ def ingest(
         plural = "s" if r.question_count != 1 else ""
         say(f"queued job {r.job_id}: {r.question_count} question{plural} about "
             f"{r.document_name!r} (document {r.document_id}, {stored})")
+
+
+def _ingest_openai_batch(ctx, path: Path, model: str, priority: int, force: bool,
+                         json_out: bool) -> None:
+    from ppqa.openai.batch_in import ingest_batch_file
+    from ppqa.openai.prompt_model import load_prompt_model
+
+    db = open_store(ctx)  # an unreachable store fails before the tokenizer loads
+    batch, results, plan = ingest_batch_file(db, path, load_prompt_model(model),
+                                             priority=priority, force=force)
+    if json_out:
+        print_json({"batch": batch.public_id, "requests": plan.request_count,
+                    "groups": [{"requests": n, "document_tokens": t} for n, t in
+                               zip(plan.group_sizes, plan.group_shared_tokens)],
+                    "jobs": [r.to_dict() for r in results]})
+    else:
+        for r in results:
+            print(r.job_id)
+    say(f"queued batch {batch.public_id} for model {model}: {plan.summary()}")
 
 
 def _request(text, name, questions, options: dict, where: str):

@@ -19,13 +19,16 @@ from ppqa.store.errors import InputError
 from ppqa.store.export import EXPORT_COLUMNS
 
 EXPORT_FORMATS = ("csv", "jsonl", "json")
+# The OpenAI Batch output format (ppqa.openai.batch_out), only by name: its files end in .jsonl.
+OPENAI_BATCH_FORMAT = "openai-batch"
 
 
 def export_format(dest: str, fmt: str | None) -> str:
     """The format to write: `fmt` if given, else from the file extension (stdout: csv)."""
     if fmt is not None:
-        if fmt not in EXPORT_FORMATS:
-            raise InputError(f"unknown format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+        if fmt not in (*EXPORT_FORMATS, OPENAI_BATCH_FORMAT):
+            raise InputError(f"unknown format {fmt!r}; choose one of "
+                             f"{', '.join((*EXPORT_FORMATS, OPENAI_BATCH_FORMAT))}")
         return fmt
     if dest == "-":
         return "csv"

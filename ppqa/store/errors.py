@@ -18,3 +18,7 @@ class StoreError(RuntimeError):
 
 class DatabaseUnavailable(StoreError):
     """The database cannot be opened, read or reached."""
+
+
+class NotFoundError(StoreError):
+    """What was asked for (a file, a batch) is not in the store."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import Connection, func, insert, select, update
 
@@ -70,8 +72,13 @@ def job_key(document_sha256: str, questions: list[QuestionInput], params: Genera
     return sha256_text(json.dumps(payload, sort_keys=True, ensure_ascii=False))
 
 
-def ingest(db: Database, requests: list[IngestRequest], *, force: bool = False) -> list[IngestResult]:
-    """Queue every request, or none: see the module doc. `force` allows identical jobs."""
+def ingest(db: Database, requests: list[IngestRequest], *, force: bool = False,
+           on_written: Callable[[Connection, datetime, list[IngestResult]], None] | None = None
+           ) -> list[IngestResult]:
+    """Queue every request, or none: see the module doc. `force` allows identical jobs.
+    `on_written(conn, now, results)` runs in the same transaction after the jobs are written
+    (what else must land with them, e.g. an OpenAI batch's request rows); if it raises, nothing
+    is written."""
     for req in requests:  # template files are checked before the transaction starts
         resolved = resolve_template(req.params.template)
         if resolved != req.params.template:
@@ -81,6 +88,8 @@ def ingest(db: Database, requests: list[IngestRequest], *, force: bool = False) 
         now = db.now(conn)
         for req in requests:
             results.append(_ingest_one(conn, req, now, force))
+        if on_written is not None:
+            on_written(conn, now, results)
     return results
 
 
@@ -132,6 +141,17 @@ def cancel_job(db: Database, job_id: int) -> str:
     """Cancel a queued or running job (a worker on it sees it at its next heartbeat)."""
     return _change_status(db, job_id, (QUEUED, RUNNING), "cancelled",
                           {"status": CANCELLED, "finished_at": "now"})
+
+
+def cancel_open_jobs(conn: Connection, now: datetime, job_ids: list[int]) -> list[int]:
+    """Cancel those of `job_ids` still queued or running, inside the caller's transaction (a
+    batch cancelled as a whole); as `cancel_job`, a worker on one lets go at its heartbeat."""
+    open_ids = list(conn.execute(select(Job.id).where(
+        Job.id.in_(job_ids), Job.status.in_((QUEUED, RUNNING)))).scalars())
+    if open_ids:
+        conn.execute(update(Job).where(Job.id.in_(open_ids)).values(
+            status=CANCELLED, finished_at=now, lease_owner=None, lease_expires_at=None))
+    return open_ids
 
 
 def retry_job(db: Database, job_id: int) -> str:

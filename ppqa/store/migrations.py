@@ -17,8 +17,8 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 
 from sqlalchemy import (JSON, BigInteger, Column, Connection, DateTime, Float, ForeignKey, Index,
-                        Integer, MetaData, String, Table, Text, UniqueConstraint, inspect, select,
-                        text)
+                        Integer, LargeBinary, MetaData, String, Table, Text, UniqueConstraint,
+                        inspect, select, text)
 
 from ppqa.store.models import NAMING_CONVENTION, MigrationRecord
 
@@ -120,6 +120,50 @@ def _m0005_drop_first_token_seconds(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE answers DROP COLUMN first_token_seconds"))
 
 
+def _m0006_openai_batches(conn: Connection) -> None:
+    """OpenAI Files and Batches (`ppqa serve`, `ppqa ingest --openai-batch`): uploaded and
+    generated files, batches, and which question answers each request line's choice."""
+    md = MetaData(naming_convention=NAMING_CONVENTION)
+    Table("questions", md, Column("id", Integer, primary_key=True))  # only for the foreign key
+    Table("openai_files", md,
+          Column("id", Integer, primary_key=True),
+          Column("public_id", String(64), nullable=False, unique=True),
+          Column("filename", String(500), nullable=False),
+          Column("purpose", String(32), nullable=False),
+          Column("bytes", Integer, nullable=False),
+          Column("content", LargeBinary, nullable=False),
+          Column("created_at", DateTime, nullable=False))
+    Table("openai_batches", md,
+          Column("id", Integer, primary_key=True),
+          Column("public_id", String(64), nullable=False, unique=True),
+          Column("endpoint", String(100), nullable=False),
+          Column("completion_window", String(16), nullable=False),
+          Column("input_file_id", String(64)),
+          Column("model", String(200), nullable=False),
+          Column("status", String(16), nullable=False),
+          Column("user_metadata", JSON),
+          Column("errors", JSON),
+          Column("output_file_id", String(64)),
+          Column("error_file_id", String(64)),
+          Column("created_at", DateTime, nullable=False),
+          *(Column(f"{event}_at", DateTime) for event in (
+              "expires", "in_progress", "finalizing", "completed", "failed", "expired",
+              "cancelling", "cancelled")))
+    Table("openai_requests", md,
+          Column("id", Integer, primary_key=True),
+          Column("batch_id", Integer, ForeignKey("openai_batches.id", ondelete="CASCADE"),
+                 nullable=False),
+          Column("line", Integer, nullable=False),
+          Column("choice", Integer, nullable=False),
+          Column("custom_id", Text, nullable=False),
+          Column("question_id", Integer, ForeignKey("questions.id", ondelete="CASCADE"),
+                 nullable=False, unique=True),
+          Column("prompt_tokens", Integer, nullable=False),
+          UniqueConstraint("batch_id", "line", "choice"))
+    for name in ("openai_files", "openai_batches", "openai_requests"):
+        md.tables[name].create(conn)
+
+
 def _json_value(raw) -> dict:
     import json
 
@@ -133,6 +177,7 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("0002_reports", _m0002_reports),
     ("0003_job_model", _m0003_job_model),
     ("0005_drop_first_token_seconds", _m0005_drop_first_token_seconds),
+    ("0006_openai_batches", _m0006_openai_batches),
 ]
 
 

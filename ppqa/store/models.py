@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, MetaData,
-                        String, Text, UniqueConstraint)
+from sqlalchemy import (JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer,
+                        LargeBinary, MetaData, String, Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Deterministic constraint names, so that a migrated database and `create_all` agree and a
@@ -124,3 +124,61 @@ class Report(Base):
     questions_per_second: Mapped[float] = mapped_column(Float)
     peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class OpenAIFile(Base):
+    """A file uploaded through `ppqa serve`'s /v1/files, or a batch's output or error file.
+    Its bytes live here, so the server never reads or writes a path a client names."""
+
+    __tablename__ = "openai_files"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    public_id: Mapped[str] = mapped_column(String(64), unique=True)  # "file-..."
+    filename: Mapped[str] = mapped_column(String(500))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class OpenAIBatch(Base):
+    """An OpenAI Batch: from /v1/batches, or from `ppqa ingest --openai-batch` (no input file).
+    Its requests became jobs (see OpenAIRequest); its status follows theirs."""
+
+    __tablename__ = "openai_batches"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    public_id: Mapped[str] = mapped_column(String(64), unique=True)  # "batch_..."
+    endpoint: Mapped[str] = mapped_column(String(100))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    input_file_id: Mapped[str | None] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(200))  # whose chat template rendered the requests
+    status: Mapped[str] = mapped_column(String(16))
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    errors: Mapped[list[Any] | None] = mapped_column(JSON)  # validation errors (status failed)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class OpenAIRequest(Base):
+    """One choice of one request line of a batch: the question that answers it. A request
+    asking for n choices has n rows (choice 0..n-1), each a question of its own job."""
+
+    __tablename__ = "openai_requests"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    batch_id: Mapped[int] = mapped_column(ForeignKey("openai_batches.id", ondelete="CASCADE"))
+    line: Mapped[int] = mapped_column(Integer)  # 1-based line in the input file: output order
+    choice: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(Text)
+    question_id: Mapped[int] = mapped_column(
+        ForeignKey("questions.id", ondelete="CASCADE"), unique=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+
+    __table_args__ = (UniqueConstraint("batch_id", "line", "choice"),)

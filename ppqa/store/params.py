@@ -24,8 +24,14 @@ class GenerationParams:
     seed: int = 0
     mode: str = "auto"
     model: str | None = None  # None: whatever model the worker runs
+    stop: tuple[str, ...] = ()  # an answer ends before the first of these strings
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, (list, tuple)):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
+                                                   for s in self.stop):
+            raise InputError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.template, str) or not self.template.strip():
             raise InputError("template must be a non-empty name or path")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -46,7 +52,12 @@ class GenerationParams:
             raise InputError(f"model must be a non-empty name or path, got {self.model!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.stop:  # jobs without stop strings keep the params (and job key) they had
+            del data["stop"]
+        else:
+            data["stop"] = list(self.stop)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationParams:

@@ -1,9 +1,10 @@
 """Prompt templates: the built-in `*.jinja` files of this package, and users' `.jinja` files.
 
 A template defines two Jinja2 blocks: `prefix` (the instruction and `{{ document }}`, shared by
-every question) and `question` (`{{ question }}`, one per question). The built-in ones are package
-data, read through `importlib.resources` so that they are found in an installed wheel as in a
-source checkout. Every template renders in one sandboxed environment: users' templates are
+every question) and `question` (`{{ question }}`, one per question); one that also defines the
+block `rendered` is not wrapped in the model's chat template (see RENDERED_BLOCK). The built-in
+ones are package data, read through `importlib.resources` so that they are found in an
+installed wheel as in a source checkout. Every template renders in one sandboxed environment: users' templates are
 untrusted. Jinja2 is imported on first use, so listing names stays cheap for the CLI.
 """
 
@@ -17,6 +18,9 @@ from typing import Any
 
 TEMPLATE_SUFFIX = ".jinja"
 REQUIRED_BLOCKS = ("prefix", "question")
+# A template that defines this (empty) block holds text that is already the model's whole
+# prompt (the built-in `raw`): the tokenizer does not wrap it in the chat template.
+RENDERED_BLOCK = "rendered"
 
 
 def list_templates() -> list[str]:

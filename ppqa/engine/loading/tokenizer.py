@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ppqa.templates import load_template, render_block
+from ppqa.templates import RENDERED_BLOCK, load_template, render_block
 
 # Splits a rendered chat conversation into the prefix and the per-question part; control
 # characters so that no real text (or chat template) contains it.
@@ -75,6 +75,12 @@ class Tokenizer:
 
     def render_chat(self, user_content: str) -> str:
         """The conversation text of one user turn followed by the assistant's start."""
+        return self.render_messages([{"role": "user", "content": user_content}])
+
+    def render_messages(self, messages: Sequence[Mapping[str, str]], *,
+                        add_generation_prompt: bool = True) -> str:
+        """The conversation text of `messages` ({"role", "content"} each) in the model's chat
+        template, followed by the assistant's start when `add_generation_prompt`."""
         raise NotImplementedError(f"{type(self).__name__} has no chat template")
 
     def prompt(self, template: str, document: str, questions: Sequence[str], *,
@@ -88,11 +94,13 @@ class Tokenizer:
         if not questions:
             raise ValueError("no questions: a prompt needs at least one question")
         tmpl = load_template(template)
-        context = {**(variables or {}), "document": document, "chat": self.chat_template is not None}
+        # A template of already rendered text (`raw`) is never wrapped a second time.
+        wrap = self.chat_template is not None and RENDERED_BLOCK not in tmpl.blocks
+        context = {**(variables or {}), "document": document, "chat": wrap}
         prefix_text = render_block(tmpl, "prefix", context)
         question_texts = [render_block(tmpl, "question", {**context, "question": q, "index": i})
                           for i, q in enumerate(questions)]
-        if self.chat_template is not None:
+        if wrap:
             # Chat templates often trim the message; leading blanks would not survive the split.
             prefix_text = prefix_text.lstrip()
             head, tail = self._chat_wrapper(prefix_text)
@@ -140,11 +148,12 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, user_content: str) -> str:
+    def render_messages(self, messages: Sequence[Mapping[str, str]], *,
+                        add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise NotImplementedError("this tokenizer has no chat template")
-        return self.hf.apply_chat_template([{"role": "user", "content": user_content}],
-                                           tokenize=False, add_generation_prompt=True)
+        return self.hf.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
 
 
 class ByteTokenizer(Tokenizer):
