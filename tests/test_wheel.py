@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ["judge", "label", "multiple_choice", "qa"]
+# Every built-in template of the source tree must reach the wheel.
+TEMPLATES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "ppqa" / "templates")
+                   .glob("*.jinja") if not p.name.startswith("_"))
+assert {"judge", "label", "multiple_choice", "qa"} <= set(TEMPLATES)
 
 
 @pytest.fixture(scope="module")
