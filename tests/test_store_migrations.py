@@ -81,7 +81,7 @@ def test_older_database_is_upgraded_in_place(db_location):
                           "created_at) VALUES (1, 'Because.', 2, 'stop', '2026-01-02 03:04:06')"))
     with db.read() as conn:
         assert "reports" not in inspect(conn).get_table_names()
-    assert migrate(db) == ["0002_reports", "0003_job_model"]
+    assert migrate(db) == ["0002_reports", "0003_job_model", "0004_template_source"]
     with db.read() as conn:
         upgraded = schema_of(conn)
         assert conn.execute(text("SELECT text FROM documents")).scalar_one() == "Old text."

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -24,7 +24,8 @@ from ppqa.modes import check_mode
 from ppqa.engine.runtime import cost_model
 from ppqa.engine.setup import EngineParts, build_parts
 from ppqa.engine.runtime.kv_cache import document_key
-from ppqa.engine.outputs import Answer, PromptTooLongError, QuestionRequest, RunStats
+from ppqa.engine.outputs import (Answer, InvalidRequestError, PromptTooLongError, QuestionRequest,
+                                 RunStats)
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.sampling import sample
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
@@ -128,11 +129,15 @@ class Engine:
             streams: int | None = None,
             on_answer: Callable[[QuestionRequest, Answer], None] | None = None,
             on_error: Callable[[QuestionRequest, Exception], None] | None = None,
-            should_stop: Callable[[], bool] | None = None) -> RunStats:
+            should_stop: Callable[[], bool] | None = None,
+            cancelled: Collection[object] | None = None) -> RunStats:
         """Answer many questions (any documents); answers go to `on_answer` as they finish.
 
-        A question that cannot fit goes to `on_error` (raised if there is none). When
-        `should_stop()` turns true, no new work starts and unfinished questions are dropped.
+        A question that cannot fit, or whose template, document or sampling parameters fail,
+        goes to `on_error` (raised if there is none); the others run. When `should_stop()`
+        turns true, no new work starts and unfinished questions are dropped. `cancelled`: keys
+        of requests to drop, to which another thread may add while this runs (the worker's
+        lease keeper, when a job is cancelled); its size is checked before every step.
         """
         started = time.perf_counter()
         check_mode(mode)  # reject an unknown mode before any work
@@ -153,7 +158,7 @@ class Engine:
             for req in self._requests(doc_ids, job_streams, stats.mode, stats.streams):
                 sched.add(req)
         try:
-            self._loop(sched, stats, started, on_answer, should_stop)
+            self._loop(sched, stats, started, on_answer, should_stop, cancelled)
         finally:
             sched.abort_all()  # frees whatever an early stop or an error left behind
         if self.device.type == "cuda":
@@ -165,10 +170,12 @@ class Engine:
 
     def _prepare(self, requests: Sequence[QuestionRequest], on_error, stats: RunStats
                  ) -> list[tuple[list[int], list[Stream]]]:
-        """Tokenize per (template, document) and check every question fits; one job per document."""
-        groups: dict[tuple[str, str], list[QuestionRequest]] = {}
+        """Tokenize per (template, document) and check every question fits; one job per document.
+        Whatever one group's template, document or sampling parameters raise fails that group's
+        requests alone (`on_error`), never the run."""
+        groups: dict[tuple[str, str | None, str], list[QuestionRequest]] = {}
         for req in requests:
-            groups.setdefault((req.template, req.document), []).append(req)
+            groups.setdefault((req.template, req.template_source, req.document), []).append(req)
 
         def reject(req: QuestionRequest, error: Exception) -> None:
             if on_error is None:
@@ -177,12 +184,14 @@ class Engine:
             on_error(req, error)
 
         jobs = []
-        for (template, document), reqs in groups.items():
+        for (template, source, document), reqs in groups.items():
             try:
-                prompt = self.tokenizer.prompt(template, document, [r.question for r in reqs])
-            except ValueError as error:
+                self._check_size(document, reqs)
+                prompt = self.tokenizer.prompt(template, document, [r.question for r in reqs],
+                                               template_source=source)
+            except Exception as error:  # noqa: BLE001 - this group's input, not the engine
                 for req in reqs:
-                    reject(req, error)
+                    reject(req, _input_error(error))
                 continue
             if self.config.share_question_prefix:
                 prompt = prompt.with_common_opening()
@@ -198,6 +207,20 @@ class Engine:
             if streams:
                 jobs.append((doc_ids, streams))
         return jobs
+
+    def _check_size(self, document: str, reqs: Sequence[QuestionRequest]) -> None:
+        """PromptTooLongError, before any tokenization, for a document (or question) whose
+        UTF-8 size alone proves it cannot fit the context: a token stands for at most
+        `max_token_bytes` bytes (a margin of 4 covers normalizers that shorten text), so a
+        30 MB document is refused at once instead of after a minute of tokenizing."""
+        context = self.model_config.max_position_embeddings
+        limit = 4 * self.tokenizer.max_token_bytes * context
+        for what, text in (("document", document), *(("question", r.question) for r in reqs)):
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > limit:
+                raise PromptTooLongError(
+                    f"the {what} ({size:,} bytes) cannot fit the model's context of {context} "
+                    f"tokens (at most {limit:,} bytes of text)", needed=size, available=limit)
 
     def _fit_error(self, doc: int, question: int, max_new: int) -> PromptTooLongError | None:
         need = doc + question + max_new
@@ -224,7 +247,7 @@ class Engine:
                 for group in pack_streams(sizes, width, len(doc_ids), self.kv_capacity)]
 
     def _loop(self, sched: Scheduler, stats: RunStats, started: float, on_answer,
-              should_stop) -> None:
+              should_stop, cancelled) -> None:
         """Admit, prefill, decode. One decode step stays in flight: step t+1 is built and
         launched (its input tokens taken from step t's sampled tokens on the device) before
         step t's tokens are read back and applied, so host work overlaps the GPU. Admission
@@ -253,10 +276,14 @@ class Engine:
                     on_answer(stream.key, answer)
 
         in_flight: _Launched | None = None
+        cancelled_seen = 0
         while sched.has_work():
             if should_stop is not None and should_stop():
                 stats.stopped = True
                 return
+            if cancelled is not None and len(cancelled) != cancelled_seen:
+                cancelled_seen = len(cancelled)
+                stats.cancelled += sched.drop(lambda stream: stream.key.key in cancelled)
             if sched.should_admit():
                 if in_flight is not None:
                     finish(in_flight)
@@ -291,6 +318,16 @@ class Engine:
                 finish(in_flight)
                 in_flight = None
             stats.decode_s += time.perf_counter() - begin
+
+
+def _input_error(error: Exception) -> ValueError:
+    """A request's own input failed: a ValueError (kept as is) or one naming what was raised,
+    so that callers treat it as permanent (retrying the same input cannot help)."""
+    if isinstance(error, ValueError):
+        return error
+    wrapped = InvalidRequestError(f"{type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 class _Launched:

@@ -115,6 +115,12 @@ def _m0003_job_model(conn: Connection) -> None:
             conn.execute(text("UPDATE jobs SET model = :m WHERE id = :i"), {"m": model, "i": job_id})
 
 
+def _m0004_template_source(conn: Connection) -> None:
+    """jobs.template_source: a user template's text, stored with the job at ingest. Jobs
+    queued before keep only the path, which the worker still reads."""
+    conn.execute(text("ALTER TABLE jobs ADD COLUMN template_source TEXT"))
+
+
 def _json_value(raw) -> dict:
     import json
 
@@ -127,6 +133,7 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("0001_initial", _m0001_initial),
     ("0002_reports", _m0002_reports),
     ("0003_job_model", _m0003_job_model),
+    ("0004_template_source", _m0004_template_source),
 ]
 
 

@@ -5,8 +5,10 @@ to this worker; repeated for more documents while the batch has room) -> one `Qu
 per unanswered question -> `Engine.run`, whose `on_answer` writes each answer the moment it is
 done through `record_answer` (its own short transaction: nothing is held open while the model
 runs) -> per job, `finish_job` with a speed report when all its questions are answered,
-`fail_job` when the engine rejected it (e.g. a document too long for the model), or
-`release_jobs` when a stop cut it short. A `LeaseKeeper` thread heartbeats the leases meanwhile.
+`fail_job` when the engine rejected it (e.g. a document too long for the model, a template
+that fails to render: that job fails alone, the others of the cycle go on), or `release_jobs`
+when a stop cut it short. A `LeaseKeeper` thread heartbeats the leases meanwhile; a job it
+finds cancelled (or taken over) has its questions dropped from the engine at the next step.
 
 The worker knows nothing of terminals: it tells a `ProgressSink` what happens (the CLI renders
 that with Rich or log lines) and returns a `WorkerSummary`. `request_stop()` (the CLI calls it
@@ -154,17 +156,22 @@ class Worker:
 
     def _run_cycle(self, claims: list[ClaimedJob]) -> bool:
         """Answer the claimed jobs and settle each one; True if the engine itself crashed."""
-        from ppqa.engine.outputs import QuestionRequest
-
         runs = {c.job_id: JobRun(c) for c in claims}
-        requests = [QuestionRequest(key=(c.job_id, q.id), document=c.document_text,
-                                    question=q.text, sampling=_sampling(c),
-                                    template=c.params.template)
-                    for c in claims for q in c.questions]
+        requests = []
+        for claim in claims:  # one job's bad parameters fail that job alone, before the engine
+            try:
+                requests += _requests(claim)
+            except Exception as exc:  # noqa: BLE001 - whatever its input raises is its own
+                runs[claim.job_id].reject(exc, permanent=True)  # the same params fail again
+        # Keys of questions whose job was cancelled or taken over; the lease keeper adds to it
+        # and the engine drops them at its next step.
+        cancelled: set = set()
         cycle_start = time.perf_counter()
 
         def on_answer(req, answer) -> None:
             run = runs[req.key[0]]
+            if run.lost:  # cancelled meanwhile: its answers are not wanted any more
+                return
             tokens = len(answer.token_ids)
             try:
                 queue.record_answer(self.db, req.key[1], answer.text, tokens,
@@ -178,19 +185,23 @@ class Worker:
             self.progress.answered(run.claim, tokens)
 
         def on_error(req, exc) -> None:
-            run = runs[req.key[0]]
-            if run.error is None:  # the first reason is the one worth showing
-                run.error = str(exc) or type(exc).__name__
-                run.permanent = isinstance(exc, ValueError)  # e.g. a prompt that cannot fit
+            runs[req.key[0]].reject(exc)
+
+        def on_lost(job_ids: list[int]) -> None:
+            self._lost(runs, job_ids)
+            cancelled.update((j, q.id) for j in job_ids if j in runs
+                             for q in runs[j].claim.questions)
 
         stats, crash, mode = None, None, self._mode(claims)
         with LeaseKeeper(self.db, self.options.worker_id, list(runs),
-                         self.options.lease_seconds, on_lost=lambda ids: self._lost(runs, ids),
+                         self.options.lease_seconds, on_lost=on_lost,
                          on_problem=self.progress.message) as leases:
             try:
-                stats = self.engine.run(requests, mode=mode,
-                                        streams=self.options.streams, on_answer=on_answer,
-                                        on_error=on_error, should_stop=self._stop.is_set)
+                if requests:
+                    stats = self.engine.run(requests, mode=mode,
+                                            streams=self.options.streams, on_answer=on_answer,
+                                            on_error=on_error, should_stop=self._stop.is_set,
+                                            cancelled=cancelled)
             except Exception as exc:  # noqa: BLE001 - settle what we have, then decide
                 crash = f"engine error: {type(exc).__name__}: {exc}"
                 self.summary.last_error = crash
@@ -204,7 +215,8 @@ class Worker:
         return modes.pop() if len(modes) == 1 else "auto"
 
     def _lost(self, runs: dict[int, JobRun], job_ids: list[int]) -> None:
-        """Jobs cancelled or taken over: their answers still count, but they are not ours to end."""
+        """Jobs cancelled or taken over: not ours to end, and their further answers are not
+        written (the engine drops their questions; see `_run_cycle`)."""
         for job_id in job_ids:
             if job_id in runs and not runs[job_id].lost:
                 runs[job_id].lost = True
@@ -263,9 +275,16 @@ class Worker:
             self.progress.settled(outcome)
 
 
-def _sampling(claim: ClaimedJob):
+def _requests(claim: ClaimedJob) -> list:
+    """The engine requests of a job's unanswered questions; raises if its parameters cannot
+    make any (a seed or budget out of range, in a job queued before ingest checked them)."""
     from ppqa.config import SamplingParams
+    from ppqa.engine.outputs import QuestionRequest
 
     p = claim.params
-    return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                          top_p=p.top_p, seed=p.seed)
+    sampling = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                              top_p=p.top_p, seed=p.seed)
+    return [QuestionRequest(key=(claim.job_id, q.id), document=claim.document_text,
+                            question=q.text, sampling=sampling, template=p.template,
+                            template_source=claim.template_source)
+            for q in claim.questions]

@@ -38,6 +38,14 @@ class JobRun:
     def complete(self) -> bool:
         return not self.pending
 
+    def reject(self, exc: Exception, *, permanent: bool | None = None) -> None:
+        """The engine (or building its requests) refused this job's input. The first reason
+        is the one shown; by default a ValueError (a prompt too long, a template that fails)
+        is permanent, anything else may pass on a retry."""
+        if self.error is None:
+            self.error = str(exc) or type(exc).__name__
+            self.permanent = isinstance(exc, ValueError) if permanent is None else permanent
+
     def add_answer(self, question_id: int, tokens: int, prompt_tokens: int, at: float) -> None:
         if question_id in self.pending:
             self.pending.discard(question_id)

@@ -161,6 +161,30 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
+    def drop(self, is_dropped: Callable[[Stream], bool]) -> int:
+        """Take streams out of the run (their questions were cancelled); returns how many.
+        Waiting requests lose them (one left with none leaves the queue); running requests
+        stop feeding them and are retired, freeing their KV, once no live stream is left.
+        A dropped stream never produces an answer."""
+        dropped, kept = 0, deque()
+        for req in self.waiting:
+            streams = [s for s in req.streams if not is_dropped(s)]
+            dropped += len(req.streams) - len(streams)
+            if len(streams) == len(req.streams):
+                kept.append(req)
+            elif streams:
+                kept.append(Request(req.doc_ids, streams, width=req.width, doc_key=req.doc_key))
+        self.waiting = kept
+        for req in self.running:
+            for s, stream in enumerate(req.streams):
+                if req.live[s] and is_dropped(stream):
+                    req.live[s] = False
+                    dropped += 1
+            if req.is_finished:
+                self.release(req)
+        self.running = [r for r in self.running if r.row >= 0]
+        return dropped
+
     # ---- steps -----------------------------------------------------------------------------
 
     def documents_to_prefill(self, requests: Sequence[Request]) -> list[CachedDocument]:
