@@ -66,6 +66,8 @@ def test_store_commands_do_not_import_torch(tmp_path):
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from ppqa.cli.app import app\n"
+        "from ppqa.store.db import open_db\n"
+        f"open_db({str(tmp_path / 'p.db')!r}).close()\n"
         f"r = CliRunner().invoke(app, ['--db', {str(tmp_path / 'p.db')!r}, 'status', '--json'])\n"
         "assert r.exit_code == 0, r.output\n"
         "heavy = [m for m in ('torch', 'transformers', 'triton', 'ppqa.engine') if m in sys.modules]\n"

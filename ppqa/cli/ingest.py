@@ -95,7 +95,7 @@ def ingest(
         text, default_name = read_document(document, limit)
         requests = [_request(text, name or default_name,
                              read_questions(questions, limit), options, "", limit)]
-    results = ingest_jobs(open_store(ctx), requests, force=force)
+    results = ingest_jobs(open_store(ctx, create=True), requests, force=force)
     if json_out:
         print_json([r.to_dict() for r in results] if batch is not None else results[0].to_dict())
     else:

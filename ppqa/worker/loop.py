@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.exc import SQLAlchemyError
 
 from ppqa.store import queue
-from ppqa.store.db import Database
+from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
 from ppqa.store.queue import ClaimedJob
 from ppqa.worker.lease import LeaseKeeper
@@ -102,7 +102,7 @@ class Worker:
                     if not self.options.follow:
                         raise
                     # A long-running worker rides out a database restart or a network blip.
-                    self.progress.message(f"cannot claim jobs, retrying: {exc}")
+                    self.progress.message(f"cannot claim jobs, retrying: {error_reason(exc)}")
                     self._stop.wait(self.options.poll_seconds)
                     continue
                 if not claims:
@@ -179,7 +179,8 @@ class Worker:
                                     worker_id=self.options.worker_id)
             except Exception as exc:  # noqa: BLE001 - kept to retry at settle time
                 run.unsaved.append((req.key[1], answer, exc))
-                self.progress.message(f"job {run.claim.job_id}: answer not saved yet ({exc})")
+                self.progress.message(f"job {run.claim.job_id}: answer not saved yet "
+                                      f"({error_reason(exc)})")
                 return
             run.add_answer(req.key[1], tokens, answer.prompt_tokens, time.perf_counter())
             self.progress.answered(run.claim, tokens)
@@ -267,8 +268,8 @@ class Worker:
             outcome = end()
         except (SQLAlchemyError, StoreError) as exc:
             what = f"job {run.claim.job_id}" if run else "releasing jobs"
-            self.progress.message(f"{what}: could not update the store ({exc}); its lease "
-                                  "will expire and another worker will take it over")
+            self.progress.message(f"{what}: could not update the store ({error_reason(exc)}); "
+                                  "its lease will expire and a worker will take it over")
             return
         if isinstance(outcome, JobOutcome):
             self.summary.add(outcome)
