@@ -252,3 +252,18 @@ def test_repeated_ctrl_c_quits_without_a_traceback(tmp_path):
     # 130, or killed by the SIGINT itself once Python has begun to exit: an interrupt either way.
     assert worker.wait(timeout=60) in (130, -signal.SIGINT)
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+
+
+@pytest.mark.postgres
+def test_a_postgres_database_of_another_program_is_left_alone(pg_url):
+    from sqlalchemy import create_engine, inspect, text
+
+    engine = create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE invoices (id INTEGER)"))
+    result = _cli("--db", pg_url, "status")
+    assert result.exit_code == 2 and "is not a ppqa store" in result.stderr
+    assert "(invoices)" in result.stderr
+    with engine.connect() as conn:
+        assert inspect(conn).get_table_names() == ["invoices"]
+    engine.dispose()

@@ -178,3 +178,24 @@ def test_a_cancelled_jobs_questions_leave_the_engine(sqlite_db, add_job, engine)
     assert stats.cancelled > 0  # questions left the engine unanswered
     assert stats.questions + stats.cancelled == 13  # every question answered or dropped
     assert saved < 12 and [o.status for o in summary.jobs if o.job_id == cancelled] == ["lost"]
+
+
+def test_a_document_too_big_for_any_prompt_is_refused_before_tokenizing(engine, monkeypatch):
+    from ppqa.engine.outputs import PromptTooLongError, QuestionRequest
+
+    context = engine.model_config.max_position_embeddings
+    huge = "x" * (4 * engine.tokenizer.max_token_bytes * context + 1)
+    tokenized = []
+    real_prompt = engine.tokenizer.prompt
+    monkeypatch.setattr(engine.tokenizer, "prompt",
+                        lambda template, document, *a, **k: tokenized.append(len(document))
+                        or real_prompt(template, document, *a, **k))
+    errors, answers = [], []
+    engine.run([QuestionRequest("huge", huge, "Q?", SamplingParams(max_new_tokens=2)),
+                QuestionRequest("ok", DOC, "Q?", SamplingParams(max_new_tokens=2))],
+               on_answer=lambda r, a: answers.append(r.key),
+               on_error=lambda r, e: errors.append((r.key, e)))
+    assert answers == ["ok"] and tokenized == [len(DOC)]  # the huge one was never tokenized
+    (key, error), = errors
+    assert key == "huge" and isinstance(error, PromptTooLongError)
+    assert f"cannot fit the model's context of {context} tokens" in str(error)
