@@ -37,6 +37,15 @@ def files(tmp_path):
         "bad_csv": put("bad.csv", "text,id\nA?,1\n"),
         "dup_ids": put("dup.jsonl", '{"question": "A?", "id": 1}\n{"question": "B?", "id": 1}\n'),
         "bad_batch": put("batch.jsonl", '{"document": "D", "questions": ["Q?"]}\n{"document": \n'),
+        # Issue 20: an unterminated quote must not swallow the rows after it.
+        "open_quote": put("open.csv", 'id,question\n1,"Unterminated question?\n2,Second?\n3,Third?\n'),
+        "nan_jsonl": put("nan.jsonl", '{"question": "A?", "id": NaN}\n'),
+        "huge_jsonl": put("huge.jsonl", '{"question": "A?", "id": 1e999}\n'),
+        "surrogate_jsonl": put("sur.jsonl", '{"question": "A \\ud800?"}\n'),
+        "include_template": put("inc.jinja", "{% block prefix %}{% include 'x' %}{% endblock %}"
+                                             "{% block question %}{{ question }}{% endblock %}"),
+        "big_doc": put("big.txt", "word " * 1000),
+        "big_batch": put("bigbatch.jsonl", '{"document_path": "big.txt", "questions": ["Q?"]}\n'),
         "dir": str(tmp_path),
         "missing": str(tmp_path / "missing.txt"),
         "db": str(tmp_path / "store.db"),
@@ -78,6 +87,33 @@ CASES = [
     ("export bad format", "export {dir}/x.xml", r"cannot tell the format"),
     ("export into a dir", "export {dir}", r": is a directory"),
     ("jobs bad status", "jobs --status sleeping", r"unknown status 'sleeping'"),
+    # Issue 20, item 4: a CSV quote never closed.
+    ("unterminated csv quote", "ingest {doc} {open_quote}",
+     r"open\.csv:2: malformed CSV \(a quoted field opened on line 2 is never closed\)"),
+    # Item 1: a template that cannot render, numbers out of range.
+    ("template that fails", "ingest {doc} {questions} --template {include_template}",
+     r"inc\.jinja.*TypeError.*no loader"),
+    ("seed out of range", "ingest {doc} {questions} --seed 99999999999999999999999",
+     r"seed must be a whole number from 0 to 9223372036854775807"),
+    ("priority out of range", "ingest {doc} {questions} --priority 99999999999",
+     r"priority must be from -2147483647 to 2147483647"),
+    ("budget out of range", "ingest {doc} {questions} --max-new-tokens 99999999999",
+     r"max_new_tokens must be at most 1,000,000"),
+    # Item 6: out-of-range ids and counts are usage errors, not driver overflows.
+    ("huge job id", "show 99999999999999999999", r"less than or equal to 2147483647"),
+    ("huge cancel id", "cancel 99999999999999999999", r"less than or equal to 2147483647"),
+    ("huge export job", "export - --job 99999999999999999999", r"less than or equal to 2147483647"),
+    ("huge limit", "jobs --limit 99999999999999999999", r"less than or equal to 2147483647"),
+    ("huge lease", "run --lease-seconds 1e300", r"less than or equal to 86400"),
+    # Item 8: a bounded read.
+    ("document over the limit", "ingest {big_doc} {questions} --max-input-mb 0.002",
+     r"big\.txt: the document is longer than the limit of 2,097 bytes \(raise it with --max-input-mb\)"),
+    ("batch document over the limit", "ingest --batch {big_batch} --max-input-mb 0.002",
+     r"bigbatch\.jsonl:1: .*big\.txt: the document is longer than the limit"),
+    # Item 9: strict JSON.
+    ("NaN in jsonl", "ingest {doc} {nan_jsonl}", r"nan\.jsonl:1: invalid JSON \(NaN is not a JSON value\)"),
+    ("huge number in jsonl", "ingest {doc} {huge_jsonl}", r"huge\.jsonl:1: invalid JSON \(the number 1e999"),
+    ("lone surrogate in jsonl", "ingest {doc} {surrogate_jsonl}", r"sur\.jsonl:1: invalid JSON \(a string holds a lone surrogate"),
 ]
 
 
@@ -106,7 +142,7 @@ def test_corrupt_database_file(tmp_path, files):
 
 @pytest.mark.parametrize("location, message", [
     ("{dir}", "it is a directory"),
-    ("{doc}/inside.db", "cannot create its folder"),
+    ("{doc}/inside.db", "there is no store there"),
     ("postgresql+psycopg://postgres@127.0.0.1:1/test", "connection"),
 ])
 def test_unusable_database_location(files, location, message):

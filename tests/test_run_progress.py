@@ -74,8 +74,9 @@ def test_rich_progress_draws_a_bar_per_document_in_flight():
     summary = WorkerSummary("w1", "dummy:tiny-mha", "cpu", [_outcome(first, "done", 2)])
     sink.finished(summary)
     text = out.getvalue()
-    assert "worker w1, model dummy:tiny-mha" in text and "1 job(s) done" in text
+    assert "worker w1, model dummy:tiny-mha" in text and "1 job done" in text
     assert "job 2 released with 0 answers saved" in text  # unfinished work is reported
+    assert "claimed 2 jobs (1, 2) of doc-1, doc-7: 4 questions" in text  # per-job lines too
 
 
 def test_plain_lines_when_stderr_is_not_a_terminal():
@@ -87,6 +88,54 @@ def test_plain_lines_when_stderr_is_not_a_terminal():
     sink.answered(job, 5)
     sink.settled(JobOutcome(3, 1, "doc-1", "failed", 0, 1, 0, error="document too long"))
     lines = out.getvalue().splitlines()
-    assert lines[0] == "claimed 1 job(s) (3) of doc-1: 1 questions"
+    assert lines[0] == "claimed 1 job (3) of doc-1: 1 question"
     assert lines[-1] == "job 3 failed: document too long"
     assert "\x1b[" not in out.getvalue()  # no terminal escapes in logs
+
+
+def test_remaining_time_grows_while_nothing_is_answered(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("ppqa.cli.run_progress.time.monotonic", lambda: now[0])
+    sink = LogProgress(Console(file=io.StringIO()), waiting_questions=lambda: 0)
+    job = _claim(1, 1, 4)
+    sink.claimed([job])
+    for t in (101.0, 102.0):
+        now[0] = t
+        sink.answered(job, 5)
+    assert sink.counters.remaining == 2.0  # 2 questions left at 1 s each
+    now[0] = 110.0  # eight seconds without an answer: the pace so far is slower
+    assert sink.counters.remaining == 18.0
+
+
+def test_a_stopped_run_does_not_read_as_finished():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, highlight=False, color_system=None)
+    waiting = [0]
+    sink = RichProgress(console, lambda: waiting[0])
+    job = _claim(1, 1, 5)
+    sink.claimed([job])
+    sink.answered(job, 3)
+    sink.answered(job, 3)
+    waiting[0] = 3  # released: its three open questions are back in the queue
+    sink.settled(_outcome(job, "released", 2))
+    sink.finished(WorkerSummary("w1", "m", "cpu", [_outcome(job, "released", 2)],
+                                stopped_by="SIGINT"))
+    overall = sink.bars.tasks[0]
+    assert (overall.completed, overall.total) == (2, 5)
+    assert "stopped by SIGINT" in overall.description
+
+
+def test_total_follows_what_other_workers_took():
+    # Two workers on one queue: this one claimed 2 questions while 4 more waited; the other
+    # worker took those 4, so at the end this worker's bar reads 2/2, not 2/6.
+    waiting = [4]
+    sink = LogProgress(Console(file=io.StringIO()), waiting_questions=lambda: waiting[0])
+    job = _claim(1, 1, 2)
+    sink.claimed([job])
+    assert sink.counters.total == 6
+    sink.answered(job, 1)
+    sink.answered(job, 1)
+    waiting[0] = 0
+    sink.settled(_outcome(job, "done", 2))
+    sink.finished(WorkerSummary("w1", "m", "cpu", [_outcome(job, "done", 2)]))
+    assert (sink.counters.done, sink.counters.total) == (2, 2)

@@ -18,7 +18,11 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert tok.bos_token_id == 256 and tok.eos_token_ids == [257]
     # Specials and ids above the byte range (a random model emits them) decode to nothing.
     assert tok.decode([tok.bos_token_id, *ids, 257, 300]) == text
-    assert tok.decode(list("é".encode())[:1]) == "\ufffd"  # a cut multi-byte char does not raise
+    # An answer cut inside a multi-byte character drops it (issue 20: no trailing U+FFFD);
+    # a byte that is invalid where it stands is still shown as U+FFFD.
+    assert tok.decode(list("aé".encode())[:2]) == "a"
+    assert tok.decode(list("a€".encode())[:3]) == "a"
+    assert tok.decode([0xFF, 0x41]) == "\ufffdA"
 
 
 def test_byte_tokenizer_needs_room_for_specials():
@@ -87,6 +91,21 @@ def test_smollm2_decode_skips_specials_and_eos_is_im_end(smollm2):
     assert ids[0] == 1 and ids[-1] == 2  # special strings in text map to their ids
     assert tok.decode(ids) == "Hello world"
     assert tok.eos_token_ids == [2] and tok.hf.convert_ids_to_tokens(2) == "<|im_end|>"
+
+
+def test_smollm2_decode_of_a_cut_character_drops_it(smollm2):
+    from ppqa.engine.loading.loader import load_model
+
+    tok = load_model("smollm2").tokenizer
+    text = "Ok \U0001d518\u4e2d\u6587 done"  # a 4-byte and two 3-byte characters
+    ids = tok.encode(text)
+    cuts = [tok.decode(ids[:k]) for k in range(1, len(ids) + 1)]
+    assert cuts[-1] == text
+    # Every cut reads as a prefix of the text, never with a U+FFFD where a character was cut.
+    assert all(text.startswith(c) and "\ufffd" not in c for c in cuts), cuts
+    assert len(set(cuts)) < len(cuts)  # the premise: some cut fell inside a character
+    # The bound the engine uses to refuse a too-long document before tokenizing it.
+    assert max(len(tok.hf.decode([i]).encode()) for i in ids) <= tok.max_token_bytes < 200
 
 
 def test_common_opening_joins_the_prefix_and_keeps_each_prompt() -> None:

@@ -116,7 +116,10 @@ class Runner:
 
     def run_arrivals(self, tag: str, mode: str, jobs: Jobs) -> dict:
         db, log_path = self.folder / f"{tag}.db", self.folder / f"{tag}.log"
-        self.step(db, "status", what="creating the store")  # the worker and ingests share it
+        # The worker and the ingests share it; `status` refuses a missing store, so it is made here.
+        from ppqa.store.db import open_db
+
+        open_db(db).close()
         total, due_at = len(jobs.jobs), self.opts.arrival_seconds / max(1, len(jobs.jobs))
         started = _utc_now()
         t0 = time.perf_counter()

@@ -10,13 +10,14 @@ that need them.
 
 import importlib
 import importlib.metadata
+import sys
 from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
 
 from ppqa.cli.common import DbOption, fail
-from ppqa.store.errors import InputError, StoreError
+from ppqa.store.errors import InputError, OutputError, StoreError
 
 # (module in ppqa.cli, group name or None for top-level commands): one line per module.
 COMMAND_MODULES: list[tuple[str, str | None]] = [
@@ -39,16 +40,35 @@ UsageError = typer.BadParameter.__mro__[1]
 
 
 class PpqaGroup(TyperGroup):
-    """Turns expected failures of any command into one line and exit code 2 (see common.py)."""
+    """Turns expected failures of any command into one line and exit code 2 (see common.py):
+    bad input, a refused request, an output that cannot be written, and a database that
+    fails under a command (read-only, full, locked past its timeout, gone)."""
 
     def invoke(self, ctx: typer.Context):
+        from sqlalchemy.exc import SQLAlchemyError
+
         try:
             return super().invoke(ctx)
-        except (InputError, StoreError) as exc:
+        except (InputError, StoreError, OutputError) as exc:
             fail(str(exc))
         except UsageError as exc:
             where = exc.ctx.command_path if exc.ctx else "ppqa"
             fail(f"{exc.format_message()} (see '{where} --help')")
+        except SQLAlchemyError as exc:
+            fail(database_failure(ctx, exc))
+
+
+def database_failure(ctx: typer.Context, exc: Exception) -> str:
+    """One line for a database error raised while a command ran."""
+    from ppqa.store.db import error_reason
+
+    db = (ctx.obj or {}).get("database")
+    where = db.description if db is not None else "the database"
+    reason = error_reason(exc)
+    if "readonly" in reason.replace("-", "").replace(" ", ""):
+        return (f"cannot write to database {where}: {reason} (check that you may write the "
+                "file and its folder)")
+    return f"database {where} failed: {reason}"
 
 
 def _version() -> str:
@@ -68,6 +88,8 @@ def _show_version(value: bool) -> None:
 
 app = typer.Typer(
     cls=PpqaGroup, no_args_is_help=True, add_completion=False,
+    # An unexpected error's traceback must not print local variables (a --db URL's password).
+    pretty_exceptions_show_locals=False,
     help="ppqa: answer many questions about one long document with a local LLM, fast.\n\n"
          "Queue work with `ppqa ingest`, answer it with `ppqa run`, collect it with `ppqa export`.")
 
@@ -95,4 +117,8 @@ _register()
 
 
 def main() -> None:
-    app(prog_name="ppqa")
+    try:
+        app(prog_name="ppqa")
+    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: one line, no traceback
+        print("ppqa: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

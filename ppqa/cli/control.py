@@ -1,14 +1,10 @@
 """`ppqa cancel JOB` and `ppqa retry JOB`: change a job's state by hand (`ppqa.store.jobs`)."""
 
-from typing import Annotated
-
 import typer
 
-from ppqa.cli.common import open_store, say
+from ppqa.cli.common import JobArg, open_store, say
 
 app = typer.Typer()
-
-JobArg = Annotated[int, typer.Argument(help="The job id, as printed by ppqa ingest.")]
 
 
 @app.command(help="Cancel a queued or running job; a worker on it stops at its next "

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from ppqa.cli.common import open_store, say
+from ppqa.cli.common import MAX_ID, open_store, say
 from ppqa.store.errors import InputError
 
 app = typer.Typer()
@@ -26,8 +26,8 @@ def export(
                          "for requests ingested with --openai-batch); default: from FILE's "
                          "extension (csv for -), e.g. --format jsonl.", show_default=False)] = None,
     job: Annotated[list[int] | None, typer.Option(
-        "--job", help="Only this job, any status (repeat for several), e.g. --job 3 --job 4.",
-        show_default=False)] = None,
+        "--job", min=1, max=MAX_ID, show_default=False,
+        help="Only this job, any status (repeat for several), e.g. --job 3 --job 4.")] = None,
     all_jobs: Annotated[bool, typer.Option(
         "--all", help="Every job, finished or not (unanswered questions have an empty "
                       "answer).")] = False,

@@ -12,7 +12,8 @@ import typer
 
 from ppqa.cli.common import JsonOption, open_store, print_json, say
 from ppqa.store.errors import InputError
-from ppqa.files.inputs import read_batch, read_document, read_questions, resolve_template
+from ppqa.files.inputs import (MAX_INPUT_BYTES, read_batch, read_document, read_questions,
+                               read_template)
 from ppqa.modes import MODES
 from ppqa.store.params import GenerationParams
 
@@ -77,6 +78,10 @@ def ingest(
         help="Higher runs first, e.g. --priority 10.")] = 0,
     force: Annotated[bool, typer.Option(
         "--force", help="Queue the job even if an identical one is already in the store.")] = False,
+    max_input_mb: Annotated[float, typer.Option(
+        min=0.001, max=1e6, help="Most MiB read from any one input (document, questions file, "
+                                 "batch file, template); larger ones and endless streams are "
+                                 "refused, e.g. --max-input-mb 64.")] = MAX_INPUT_BYTES / 2**20,
     json_out: JsonOption = False,
 ) -> None:
     from ppqa.store.jobs import ingest as ingest_jobs  # sqlalchemy: only when ingesting
@@ -84,10 +89,12 @@ def ingest(
     options = {"template": template, "max_new_tokens": max_new_tokens,
                "temperature": temperature, "top_p": top_p, "seed": seed, "mode": mode,
                "model": model, "priority": priority}
+    limit = int(max_input_mb * 2**20)
     if openai_batch is not None:
         if document is not None or questions is not None or batch is not None or name:
             raise InputError("--openai-batch FILE takes no DOCUMENT, QUESTIONS, --batch or --name")
-        _ingest_openai_batch(ctx, openai_batch, model or "smollm2", priority, force, json_out)
+        _ingest_openai_batch(ctx, openai_batch, model or "smollm2", priority, force, json_out,
+                             limit)
         return
     if batch is not None:
         if document is not None or questions is not None:
@@ -95,16 +102,16 @@ def ingest(
         if name is not None:
             raise InputError("--name applies to one document; in a batch give each line a name")
         requests = [_request(item.document_text, item.name, item.questions,
-                             {**options, **item.overrides}, item.where)
-                    for item in read_batch(batch)]
+                             {**options, **item.overrides}, item.where, limit)
+                    for item in read_batch(batch, limit)]
     else:
         if document is None or questions is None:
             raise InputError("give a DOCUMENT and a QUESTIONS file (or --batch FILE); "
                              "see 'ppqa ingest --help'")
-        text, default_name = read_document(document)
+        text, default_name = read_document(document, limit)
         requests = [_request(text, name or default_name,
-                             read_questions(questions), options, "")]
-    results = ingest_jobs(open_store(ctx), requests, force=force)
+                             read_questions(questions, limit), options, "", limit)]
+    results = ingest_jobs(open_store(ctx, create=True), requests, force=force)
     if json_out:
         print_json([r.to_dict() for r in results] if batch is not None else results[0].to_dict())
     else:
@@ -118,13 +125,13 @@ def ingest(
 
 
 def _ingest_openai_batch(ctx, path: Path, model: str, priority: int, force: bool,
-                         json_out: bool) -> None:
+                         json_out: bool, limit: int) -> None:
     from ppqa.openai.batch_in import ingest_batch_file
     from ppqa.openai.prompt_model import load_prompt_model
 
-    db = open_store(ctx)  # an unreachable store fails before the tokenizer loads
+    db = open_store(ctx, create=True)  # an unreachable store fails before the tokenizer loads
     batch, results, plan = ingest_batch_file(db, path, load_prompt_model(model),
-                                             priority=priority, force=force)
+                                             priority=priority, force=force, max_bytes=limit)
     if json_out:
         print_json({"batch": batch.public_id, "requests": plan.request_count,
                     "groups": [{"requests": n, "document_tokens": t} for n, t in
@@ -136,15 +143,17 @@ def _ingest_openai_batch(ctx, path: Path, model: str, priority: int, force: bool
     say(f"queued batch {batch.public_id} for model {model}: {plan.summary()}")
 
 
-def _request(text, name, questions, options: dict, where: str):
+def _request(text, name, questions, options: dict, where: str, limit: int):
     """An IngestRequest from options; bad values become InputError naming `where`."""
     from ppqa.store.jobs import IngestRequest
 
     opts = dict(options)
     priority = opts.pop("priority")
     try:
-        opts["template"] = resolve_template(opts["template"])
+        if not isinstance(opts["template"], str):
+            raise InputError(f"template must be a name or a path, got {opts['template']!r}")
+        opts["template"], source = read_template(opts["template"], limit)
         params = GenerationParams(**opts)
-        return IngestRequest(text, name, questions, params, priority, where)
+        return IngestRequest(text, name, questions, params, priority, where, source)
     except InputError as exc:
         raise InputError(f"{where}: {exc}" if where and not str(exc).startswith(where) else str(exc))

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from ppqa.cli.common import JsonOption, open_store, print_json, say
+from ppqa.cli.common import MAX_ID, JobArg, JsonOption, open_store, print_json, say
 from ppqa.cli.render import console, job_summary, jobs_table, questions_table, report_details
 from ppqa.store.status import JOB_STATUSES
 
@@ -19,7 +19,7 @@ def jobs(
         help=f"Only jobs of this status ({', '.join(JOB_STATUSES)}), e.g. --status failed.",
         show_default=False)] = None,
     limit: Annotated[int | None, typer.Option(
-        help="At most this many jobs, e.g. --limit 20.", show_default=False)] = None,
+        max=MAX_ID, help="At most this many jobs, e.g. --limit 20.", show_default=False)] = None,
     json_out: JsonOption = False,
 ) -> None:
     from ppqa.store.errors import InputError
@@ -42,7 +42,7 @@ def jobs(
                   "reports.\n\nExamples:\n\n  ppqa show 3\n\n  ppqa show 3 --json")
 def show(
     ctx: typer.Context,
-    job: Annotated[int, typer.Argument(help="The job id, as printed by ppqa ingest.")],
+    job: JobArg,
     json_out: JsonOption = False,
 ) -> None:
     from ppqa.store.views import job_detail

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from ppqa.cli.common import JsonOption, open_store, print_json, say
+from ppqa.cli.common import MAX_ID, JsonOption, open_store, print_json, say
 from ppqa.cli.render import console, reports_table
 
 app = typer.Typer()
@@ -16,7 +16,8 @@ app = typer.Typer()
 def report(
     ctx: typer.Context,
     job: Annotated[int | None, typer.Option(
-        help="Only this job's reports, e.g. --job 3.", show_default=False)] = None,
+        min=1, max=MAX_ID, help="Only this job's reports, e.g. --job 3.",
+        show_default=False)] = None,
     json_out: JsonOption = False,
 ) -> None:
     from ppqa.store.reports import list_reports

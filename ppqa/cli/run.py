@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from ppqa.cli.common import fail, open_store, print_json, say
+from ppqa.cli.common import MAX_ID, fail, open_store, print_json, say
 from ppqa.modes import check_mode
 
 app = typer.Typer()
@@ -40,7 +40,7 @@ Examples:
 def run(
     ctx: typer.Context,
     gpu: Annotated[int | None, typer.Option(
-        "--gpu", min=0, show_default=False, envvar="PPQA_GPU",
+        "--gpu", min=0, max=1023, show_default=False, envvar="PPQA_GPU",
         help="GPU index to run on, e.g. --gpu 1. Default: GPU 0 if there is one, else the CPU.")] = None,
     device: Annotated[str | None, typer.Option(
         "--device", show_default=False,
@@ -58,27 +58,30 @@ def run(
              "the cost model pick P for the workload. Default: the engine's (32), or the cost "
              "model's choice when --mode auto picks parallel.")] = None,
     max_jobs: Annotated[int, typer.Option(
-        min=1, help="Most jobs taken at once, over one or more documents, e.g. --max-jobs 4.")] = 16,
+        min=1, max=MAX_ID,
+        help="Most jobs taken at once, over one or more documents, e.g. --max-jobs 4.")] = 16,
     max_questions: Annotated[int, typer.Option(
-        min=1, help="Most unanswered questions taken at once (a bigger single job is still "
-                    "taken whole), e.g. --max-questions 256.")] = 512,
+        min=1, max=MAX_ID,
+        help="Most unanswered questions taken at once (a bigger single job is still taken "
+             "whole), e.g. --max-questions 256.")] = 512,
     follow: Annotated[bool, typer.Option(
         "--follow/--once",
         help="--once (the default) drains what is queued and exits; --follow keeps waiting for "
              "new jobs until stopped, e.g. a worker per GPU: ppqa run --gpu 0 --follow.")] = False,
     lease_seconds: Annotated[float, typer.Option(
-        min=1.0, help="Lease of a claimed job, renewed every third of it while the worker lives; "
-                      "after a crash others take the job when it expires, e.g. "
-                      "--lease-seconds 30.")] = 60.0,
+        min=1.0, max=86400.0,
+        help="Lease of a claimed job, renewed every third of it while the worker lives; after "
+             "a crash others take the job when it expires, e.g. --lease-seconds 30.")] = 60.0,
     max_attempts: Annotated[int, typer.Option(
-        min=1, help="A job that fails (or whose worker dies) this many times is marked failed "
-                    "with its last error, e.g. --max-attempts 5.")] = 3,
+        min=1, max=MAX_ID,
+        help="A job that fails (or whose worker dies) this many times is marked failed with its "
+             "last error, e.g. --max-attempts 5.")] = 3,
     mem_fraction: Annotated[float | None, typer.Option(
         min=0.01, max=1.0, show_default=False,
         help="GPU: fraction of the memory free after loading the model that the KV pool takes, "
              "e.g. --mem-fraction 0.5 on a shared GPU. Default 0.85.")] = None,
     kv_tokens: Annotated[int | None, typer.Option(
-        min=16, show_default=False,
+        min=16, max=2**40, show_default=False,
         help="CPU: KV pool size in tokens (all requests together), e.g. --kv-tokens 16384 to "
              "use less memory. Default 65536.")] = None,
     json_out: Annotated[bool, typer.Option(
@@ -94,7 +97,7 @@ def run(
         check_mode(mode, "--mode")
     except ValueError as exc:
         fail(str(exc))
-    db = open_store(ctx)  # an unreachable or corrupt store: exit 2 before anything loads
+    db = open_store(ctx, create=True)  # unreachable or corrupt: exit 2 before anything loads
     if not follow and not has_claimable(db, model):
         # Nothing to do: say so without loading torch or the model.
         say(f"no jobs to run in {db.description}")
@@ -137,14 +140,20 @@ def run(
         say(f"error: {exc}")
         raise typer.Exit(1)
     finally:  # the command may run inside a longer-lived process (tests, a notebook)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if worker.stop_reason not in _SIGNAL_NAMES:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        # else: stopped by a signal, the process is on its way out; a second Ctrl-C while it
+        # exits must still quit at once, not raise KeyboardInterrupt in the middle of exiting.
     if engine.device.type == "cuda":
         say(f"{engine.captured_graphs} decode step shapes captured as CUDA graphs")
     if json_out:
         print_json(summary.to_dict())
     if summary.stopped_by == "SIGINT":
         raise typer.Exit(130)
+
+
+_SIGNAL_NAMES = ("SIGINT", "SIGTERM")
 
 
 def _stop_on_signals(worker, progress) -> dict:

@@ -1,11 +1,15 @@
 """How `ppqa run` shows a worker's progress on stderr: Rich bars on a terminal, log lines elsewhere.
 
-Both renderers are `ProgressSink`s fed by the worker (`worker/loop.py`) from its main thread and
-its heartbeat thread. `Counters` keeps what both show: questions done of total (total = what this
-worker has claimed plus what still waits in the queue, re-read at each claim), answer tokens per
-second since the first claim, and the remaining time at that pace. `RichProgress` draws an
-overall bar plus one bar per document in flight; `LogProgress` prints a line per claim and per
-finished job, and a progress line every `interval` seconds (for logs, CI and `nohup`).
+Both renderers are `ProgressSink`s fed by the worker (`ppqa/worker/loop.py`) from its main
+thread and its heartbeat thread. `Counters` keeps what both show: questions done of total
+(total = answered + claimed and still open + what waits in the queue, re-read at each claim and
+each settled job, so that questions another worker took, or a stop gave back, are counted
+truthfully), answer tokens per second since the first claim, and the remaining time at the pace
+since the first answer (recomputed whenever it is shown, so it grows while nothing is
+answered). `RichProgress` draws an overall bar plus one bar per document in flight and prints
+a line per claim and per settled job above them; `LogProgress` prints the same lines, and a
+progress line every `interval` seconds (for logs, CI and `nohup`). Every line is printed
+without passwords (`common.redacted`).
 """
 
 from __future__ import annotations
@@ -17,10 +21,17 @@ import time
 from datetime import timedelta
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                           TimeElapsedColumn)
+from rich.text import Text
 
+from ppqa.cli.common import redacted
 from ppqa.worker.report import JobOutcome, ProgressSink, WorkerSummary
+
+
+def plural(n: int, word: str) -> str:
+    """'1 question', '2 questions'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 class Counters:
@@ -38,13 +49,15 @@ class Counters:
         with self.lock:
             if self.started is None:
                 self.started = time.monotonic()
-            claimed = sum(len(c.questions) for c in claims)
-            self.total = self.done + claimed + waiting + self._open_questions()
             for c in claims:
                 self.claimed[c.job_id] = len(c.questions)
                 doc = self.in_flight.setdefault(c.document_id, [c.document_name, 0, 0, 0])
                 doc[2] += len(c.questions)
                 doc[3] += 1
+            self._recount(waiting)
+
+    def _recount(self, waiting: int) -> None:
+        self.total = self.done + self._open_questions() + waiting
 
     def _open_questions(self) -> int:
         return sum(total - done for _, done, total, _ in self.in_flight.values())
@@ -57,19 +70,27 @@ class Counters:
             self.tokens += tokens
             self.in_flight[claim.document_id][1] += 1
 
-    def settle(self, outcome: JobOutcome) -> bool:
-        """Count a job out (its unanswered questions leave the total: they are not this
-        worker's to do any more); True when its document has no job left in flight."""
+    def settle(self, outcome: JobOutcome, waiting: int) -> bool:
+        """Count a job out: its unanswered questions are no longer this worker's (a released
+        or retried job's are back in `waiting`). True when its document has no job left."""
         with self.lock:
-            self.total -= self.claimed.pop(outcome.job_id, outcome.answered) - outcome.answered
+            claimed = self.claimed.pop(outcome.job_id, outcome.answered)
             doc = self.in_flight.get(outcome.document_id)
-            if doc is None:
-                return True
-            doc[3] -= 1
-            if doc[3] <= 0:
-                del self.in_flight[outcome.document_id]
-                return True
-            return False
+            emptied = True
+            if doc is not None:
+                doc[2] -= claimed - outcome.answered
+                doc[3] -= 1
+                emptied = doc[3] <= 0
+                if emptied:
+                    del self.in_flight[outcome.document_id]
+            self._recount(waiting)
+            return emptied
+
+    def finish(self, summary: WorkerSummary, waiting: int) -> None:
+        with self.lock:
+            self.done = max(self.done, summary.questions)
+            self.in_flight.clear()
+            self._recount(waiting)
 
     @property
     def elapsed(self) -> float:
@@ -80,39 +101,50 @@ class Counters:
         return self.tokens / self.elapsed if self.elapsed > 0 else 0.0
 
     @property
-    def remaining(self) -> float | None:
-        """At the pace since the first answer: the wait for it is mostly the document's
-        prefill, paid once, which would make an estimate from the start far too long."""
+    def pace(self) -> float | None:
+        """Seconds per answer since the first answer (whose wait is mostly the document's
+        prefill, paid once: counting it would make estimates far too long), up to now."""
         if self.done < 2 or self.first_answer_at is None:
             return None
-        pace = (time.monotonic() - self.first_answer_at) / (self.done - 1)
-        return max(self.total - self.done, 0) * pace
+        return (time.monotonic() - self.first_answer_at) / (self.done - 1)
+
+    @property
+    def remaining(self) -> float | None:
+        pace = self.pace
+        return None if pace is None else max(self.total - self.done, 0) * pace
 
 
 def _hms(seconds: float | None) -> str:
     return "?" if seconds is None else str(timedelta(seconds=round(seconds)))
 
 
+def claim_line(claims) -> str:
+    names = sorted({c.document_name for c in claims})
+    questions = sum(len(c.questions) for c in claims)
+    return (f"claimed {plural(len(claims), 'job')} ({', '.join(str(c.job_id) for c in claims)}) "
+            f"of {', '.join(names)}: {plural(questions, 'question')}")
+
+
 def outcome_line(o: JobOutcome) -> str:
     if o.status == "done" and o.report:
         r = o.report
-        return (f"job {o.job_id} done: {r['questions']} questions in {r['wall_seconds']:.1f} s "
-                f"({r['tokens_per_second']:.1f} tok/s, mode {r['mode']})")
+        return (f"job {o.job_id} done: {plural(r['questions'], 'question')} in "
+                f"{r['wall_seconds']:.1f} s ({r['tokens_per_second']:.1f} tok/s, mode {r['mode']})")
     if o.status == "failed":
         return f"job {o.job_id} failed: {o.error}"
     if o.status == "queued":
         return f"job {o.job_id} will be retried: {o.error}"
     if o.status == "released":
-        return (f"job {o.job_id} released with {o.answered} answers saved "
-                f"({o.questions} questions in all); another worker can take it now")
-    return f"job {o.job_id}: {o.status} ({o.answered} answers saved)"
+        return (f"job {o.job_id} released with {plural(o.answered, 'answer')} saved "
+                f"({plural(o.questions, 'question')} in all); another worker can take it now")
+    return f"job {o.job_id}: {o.status} ({plural(o.answered, 'answer')} saved)"
 
 
 def summary_line(s: WorkerSummary) -> str:
     d = s.to_dict()
-    line = (f"{d['jobs_done']} job(s) done, {d['jobs_failed']} failed, "
+    line = (f"{plural(d['jobs_done'], 'job')} done, {d['jobs_failed']} failed, "
             f"{d['jobs_retried']} to retry, {d['jobs_released']} released; "
-            f"{d['questions_answered']} answers in {_hms(s.wall_seconds)} "
+            f"{plural(d['questions_answered'], 'answer')} in {_hms(s.wall_seconds)} "
             f"({d['questions_per_second']:.2f} questions/s, {d['tokens_per_second']:.1f} tok/s)")
     return line + (f"; stopped by {s.stopped_by}" if s.stopped_by else "")
 
@@ -123,12 +155,21 @@ class _Base(ProgressSink):
         self.counters = Counters()
         self._waiting_questions = waiting_questions  # () -> questions still queued
 
+    def _waiting(self) -> int:
+        try:
+            return self._waiting_questions()
+        except Exception:  # noqa: BLE001 - a display figure; the store may be briefly away
+            return 0
+
+    def _print(self, text: str) -> None:
+        self.console.print(redacted(text), markup=False)
+
     def started(self, options) -> None:
-        self.console.print(f"ppqa run: worker {options.worker_id}, model {options.model} on "
-                           f"{options.device}, mode {options.mode}, lease {options.lease_seconds:g} s")
+        self._print(f"ppqa run: worker {options.worker_id}, model {options.model} on "
+                    f"{options.device}, mode {options.mode}, lease {options.lease_seconds:g} s")
 
     def message(self, text: str) -> None:
-        self.console.print(text)
+        self._print(text)
 
 
 class LogProgress(_Base):
@@ -138,44 +179,66 @@ class LogProgress(_Base):
         self._last = time.monotonic()
 
     def claimed(self, claims) -> None:
-        self.counters.claim(claims, self._waiting_questions())
-        names = sorted({c.document_name for c in claims})
-        self.console.print(f"claimed {len(claims)} job(s) ({', '.join(str(c.job_id) for c in claims)}) "
-                           f"of {', '.join(names)}: {sum(len(c.questions) for c in claims)} questions")
+        self.counters.claim(claims, self._waiting())
+        self._print(claim_line(claims))
 
     def answered(self, claim, answer_tokens: int) -> None:
         self.counters.answer(claim, answer_tokens)
         if time.monotonic() - self._last >= self.interval:
             self._last = time.monotonic()
             c = self.counters
-            self.console.print(
-                f"progress: {c.done}/{c.total} questions, {len(c.in_flight)} document(s) in "
-                f"flight, {c.tokens_per_second:.1f} tok/s, elapsed {_hms(c.elapsed)}, "
-                f"remaining ~{_hms(c.remaining)}")
+            self._print(
+                f"progress: {c.done}/{plural(c.total, 'question')}, {len(c.in_flight)} "
+                f"document(s) in flight, {c.tokens_per_second:.1f} tok/s, elapsed "
+                f"{_hms(c.elapsed)}, remaining ~{_hms(c.remaining)}")
 
     def settled(self, outcome: JobOutcome) -> None:
-        self.counters.settle(outcome)
-        self.console.print(outcome_line(outcome))
+        self.counters.settle(outcome, self._waiting())
+        self._print(outcome_line(outcome))
 
     def finished(self, summary: WorkerSummary) -> None:
-        self.console.print(summary_line(summary))
+        self.counters.finish(summary, self._waiting())
+        self._print(summary_line(summary))
+
+
+class _RemainingColumn(ProgressColumn):
+    """Time left at the worker's pace, recomputed at every refresh (Rich's own column only
+    moves when a task advances, so it froze while elapsed time grew)."""
+
+    def __init__(self, counters: Counters, overall_id) -> None:
+        super().__init__()
+        self.counters, self.overall_id = counters, overall_id
+
+    def render(self, task) -> Text:
+        pace = self.counters.pace
+        if task.id == self.overall_id:
+            left = self.counters.remaining
+        else:
+            left = None if pace is None or task.total is None else (
+                max(task.total - task.completed, 0) * pace)
+        return Text(f"left {_hms(left)}", style="progress.remaining")
 
 
 class RichProgress(_Base):
     def __init__(self, console: Console, waiting_questions) -> None:
         super().__init__(console, waiting_questions)
+        self.remaining = _RemainingColumn(self.counters, None)
         self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                              TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-                             TextColumn("left"), TimeRemainingColumn(), console=console,
-                             transient=False)
+                             self.remaining, console=console, transient=False)
         self.overall = self.bars.add_task("all questions", total=None, rate="")
+        self.remaining.overall_id = self.overall
         self.doc_tasks: dict[int, int] = {}
         self.bars.start()
 
-    def claimed(self, claims) -> None:
-        self.counters.claim(claims, self._waiting_questions())
+    def _show_totals(self, description: str = "all questions") -> None:
         self.bars.update(self.overall, total=self.counters.total, completed=self.counters.done,
-                         description="all questions")
+                         description=description)
+
+    def claimed(self, claims) -> None:
+        self.counters.claim(claims, self._waiting())
+        self._show_totals()
+        self._print(claim_line(claims))
         for c in claims:
             task = self.doc_tasks.get(c.document_id)
             if task is None:
@@ -194,18 +257,23 @@ class RichProgress(_Base):
 
     def settled(self, outcome: JobOutcome) -> None:
         doc_id = outcome.document_id
-        if self.counters.settle(outcome) and doc_id in self.doc_tasks:
+        if self.counters.settle(outcome, self._waiting()) and doc_id in self.doc_tasks:
             self.bars.remove_task(self.doc_tasks.pop(doc_id))
-        self.bars.update(self.overall, total=self.counters.total)
-        if outcome.status != "done":
-            self.console.print(outcome_line(outcome))
+        self._show_totals()
+        self._print(outcome_line(outcome))
 
     def waiting(self) -> None:
-        self.bars.update(self.overall, description="all questions (waiting for jobs)")
+        self._show_totals("all questions (waiting for jobs)")
 
     def finished(self, summary: WorkerSummary) -> None:
+        self.counters.finish(summary, self._waiting())
+        for task in self.doc_tasks.values():
+            self.bars.remove_task(task)
+        self.doc_tasks.clear()
+        stopped = f" (stopped by {summary.stopped_by})" if summary.stopped_by else ""
+        self._show_totals(f"all questions{stopped}")
         self.bars.stop()
-        self.console.print(summary_line(summary))
+        self._print(summary_line(summary))
 
 
 def make_progress(waiting_questions, *, stream=None) -> ProgressSink:
@@ -214,5 +282,13 @@ def make_progress(waiting_questions, *, stream=None) -> ProgressSink:
     console = Console(file=stream, highlight=False, soft_wrap=True)
     if console.is_terminal:
         return RichProgress(console, waiting_questions)
-    interval = float(os.environ.get("PPQA_LOG_INTERVAL", "10"))
-    return LogProgress(console, waiting_questions, interval)
+    return LogProgress(console, waiting_questions, _log_interval())
+
+
+def _log_interval(default: float = 10.0) -> float:
+    """PPQA_LOG_INTERVAL seconds, or the default for a value that is not a positive number."""
+    try:
+        value = float(os.environ.get("PPQA_LOG_INTERVAL", default))
+    except ValueError:
+        return default
+    return value if 0 < value < float("inf") else default

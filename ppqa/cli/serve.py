@@ -79,7 +79,7 @@ def serve(
         check_mode(mode, "--mode")
     except ValueError as exc:
         fail(str(exc))
-    db = open_store(ctx)
+    db = open_store(ctx, create=True)  # a new server may start on a new store
     running = None
     if worker:
         running = _worker(db, model, gpu, device, mode, max_jobs, lease_seconds,

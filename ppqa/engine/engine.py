@@ -127,8 +127,9 @@ class Engine:
             should_stop: Callable[[], bool] | None = None) -> RunStats:
         """Answer many questions (any documents); answers go to `on_answer` as they finish.
 
-        A question that cannot fit goes to `on_error` (raised if there is none). When
-        `should_stop()` turns true, no new work starts and unfinished questions are dropped.
+        A question that cannot fit, or whose template, document or sampling parameters fail,
+        goes to `on_error` (raised if there is none); the others run. When `should_stop()`
+        turns true, no new work starts and unfinished questions are dropped.
         """
         session = self.session(on_answer, on_error)
         try:

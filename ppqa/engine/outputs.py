@@ -19,17 +19,25 @@ class PromptTooLongError(ValueError):
         self.available = available
 
 
+class InvalidRequestError(ValueError):
+    """A request's own input (its template, document or sampling parameters) cannot be run:
+    retrying it cannot help. Other requests of the same run go on."""
+
+
 @dataclass
 class QuestionRequest:
     key: object  # the caller's id, handed back with the answer
     document: str
     question: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    template: str = "qa"
+    template: str = "qa"  # a built-in name or a .jinja path (its label when template_source is set)
+    template_source: str | None = None  # the template's text, rendered instead of reading `template`
 
     def __post_init__(self) -> None:
         if not isinstance(self.document, str) or not isinstance(self.question, str):
             raise TypeError("QuestionRequest.document and .question must be strings")
+        if self.template_source is not None and not isinstance(self.template_source, str):
+            raise TypeError("QuestionRequest.template_source must be None or a string")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"QuestionRequest.sampling must be a SamplingParams, "
                             f"got {type(self.sampling).__name__}")
@@ -65,6 +73,7 @@ class RunStats:
     answer_tokens: int = 0
     questions: int = 0  # questions answered
     errors: int = 0  # questions rejected (on_error)
+    cancelled: int = 0  # questions dropped because their keys were cancelled
     steps: int = 0  # forward passes
     max_batch_requests: int = 0  # most requests decoded together in one step
     streams: int = 1  # P (1 for stock and cascade)

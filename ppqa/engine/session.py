@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ppqa.config import SamplingParams
-from ppqa.engine.outputs import Answer, PromptTooLongError, QuestionRequest, RunStats
+from ppqa.engine.outputs import (Answer, InvalidRequestError, PromptTooLongError, QuestionRequest,
+                                 RunStats)
 from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
@@ -117,7 +118,9 @@ class EngineSession:
     def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
         """Drop the questions that `doomed(request)` picks, queued or running: they get no
         answer, and their KV and rows are free for others at once. Returns how many."""
-        return len(self.sched.cancel(doomed))
+        dropped = len(self.sched.cancel(doomed))
+        self.stats.cancelled += dropped
+        return dropped
 
     @property
     def queued_requests(self) -> int:
@@ -187,21 +190,25 @@ class EngineSession:
 
     def _prepare(self, requests: Sequence[QuestionRequest]) -> list[tuple[list[int], list[Stream]]]:
         """Tokenize per (template, document) and check every question fits; one group per
-        document. Any error of one group's inputs (its template, its text) fails that group
-        alone; one question's sampling parameters fail that question alone."""
+        document. Any error of one group's inputs (its template, its text, a document too big
+        for any context) fails that group alone, as a permanent `InvalidRequestError` when it
+        is not a ValueError already; one question's sampling parameters fail that question
+        alone."""
         engine = self.engine
-        groups: dict[tuple[str, str], list[QuestionRequest]] = {}
+        groups: dict[tuple[str, str | None, str], list[QuestionRequest]] = {}
         for req in requests:
-            groups.setdefault((req.template, req.document), []).append(req)
+            groups.setdefault((req.template, req.template_source, req.document), []).append(req)
         jobs = []
-        for (template, document), reqs in groups.items():
+        for (template, source, document), reqs in groups.items():
             try:
-                prompt = engine.tokenizer.prompt(template, document, [r.question for r in reqs])
+                _check_size(engine, document, reqs)
+                prompt = engine.tokenizer.prompt(template, document, [r.question for r in reqs],
+                                                 template_source=source)
                 if engine.config.share_question_prefix:
                     prompt = prompt.with_common_opening()
             except Exception as error:  # noqa: BLE001 - bad input fails its own questions
                 for req in reqs:
-                    self._reject(req, error)
+                    self._reject(req, _input_error(error))
                 continue
             doc_ids, streams = list(prompt.prefix_ids), []
             for req, suffix in zip(reqs, prompt.suffix_ids):
@@ -345,6 +352,31 @@ def _charge(streams: list[Stream], field: str, seconds: float) -> None:
         share = seconds / len(streams)
         for s in streams:
             setattr(s, field, getattr(s, field) + share)
+
+
+def _check_size(engine, document: str, reqs: Sequence[QuestionRequest]) -> None:
+    """PromptTooLongError, before any tokenization, for a document (or question) whose UTF-8
+    size alone proves it cannot fit the context: a token stands for at most `max_token_bytes`
+    bytes (a margin of 4 covers normalizers that shorten text), so a 30 MB document is refused
+    at once instead of after a minute of tokenizing."""
+    context = engine.model_config.max_position_embeddings
+    limit = 4 * engine.tokenizer.max_token_bytes * context
+    for what, text in (("document", document), *(("question", r.question) for r in reqs)):
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise PromptTooLongError(
+                f"the {what} ({size:,} bytes) cannot fit the model's context of {context} "
+                f"tokens (at most {limit:,} bytes of text)", needed=size, available=limit)
+
+
+def _input_error(error: Exception) -> ValueError:
+    """A request's own input failed: a ValueError (kept as is) or one naming what was raised,
+    so that callers treat it as permanent (retrying the same input cannot help)."""
+    if isinstance(error, ValueError):
+        return error
+    wrapped = InvalidRequestError(f"{type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _sampling_error(params: SamplingParams) -> Exception | None:

@@ -1,8 +1,13 @@
 """Writing export files: the store's export rows to CSV, JSONL or JSON, or to stdout.
 
-A file is written atomically (a temporary file in the same folder, fsynced, then renamed over the
-target). CSV files start with a UTF-8 byte order mark so that spreadsheet programs read them as
-UTF-8; quoting follows RFC 4180, so commas, quotes and newlines inside answers survive.
+A regular file (or a new one) is written atomically: a temporary file in the same folder,
+fsynced, then renamed over the target, so a failure (a full disk) leaves the old file intact.
+Anything else (a FIFO, a device, a path under /dev or /proc such as /dev/stdout) is written
+through, never replaced. CSV files start with a UTF-8 byte order mark so that spreadsheet
+programs read them as UTF-8; quoting follows RFC 4180, so commas, quotes and newlines inside
+answers survive, and a text cell that a spreadsheet would run as a formula (it starts with
+=, +, -, @, a tab or a CR: an answer can be steered by its document) gets a leading ' as
+OWASP advises. JSON and JSONL keep every value exactly.
 """
 
 from __future__ import annotations
@@ -10,29 +15,32 @@ from __future__ import annotations
 import csv
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import IO
 
-from ppqa.store.errors import InputError
+from ppqa.store.errors import InputError, OutputError
 from ppqa.store.export import EXPORT_COLUMNS
 
 EXPORT_FORMATS = ("csv", "jsonl", "json")
 # The OpenAI Batch output format (ppqa.openai.batch_out), only by name: its files end in .jsonl.
 OPENAI_BATCH_FORMAT = "openai-batch"
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def export_format(dest: str, fmt: str | None) -> str:
-    """The format to write: `fmt` if given, else from the file extension (stdout: csv)."""
+    """The format to write: `fmt` if given, else from the file extension (stdout, or a pipe
+    or device without one such as /dev/stdout: csv)."""
     if fmt is not None:
         if fmt not in (*EXPORT_FORMATS, OPENAI_BATCH_FORMAT):
             raise InputError(f"unknown format {fmt!r}; choose one of "
                              f"{', '.join((*EXPORT_FORMATS, OPENAI_BATCH_FORMAT))}")
         return fmt
-    if dest == "-":
-        return "csv"
     suffix = Path(dest).suffix.lower().lstrip(".")
+    if dest == "-" or (not suffix and _writes_through(dest)):
+        return "csv"
     if suffix not in EXPORT_FORMATS:
         raise InputError(f"{dest}: cannot tell the format from {('.' + suffix) if suffix else 'no extension'!r}; "
                          f"use a .csv, .jsonl or .json name or --format")
@@ -41,7 +49,7 @@ def export_format(dest: str, fmt: str | None) -> str:
 
 def check_destination(dest: str) -> None:
     """Refuse a target we could not write, before anything is read or written."""
-    if dest == "-":
+    if dest == "-" or _writes_through(dest):
         return
     path = Path(dest)
     if path.is_dir():
@@ -50,12 +58,32 @@ def check_destination(dest: str) -> None:
         raise InputError(f"{dest}: folder {str(path.resolve().parent)!r} does not exist")
 
 
+def _writes_through(dest: str) -> bool:
+    """True for a target that must be opened and written, not replaced (see the module doc)."""
+    if Path(dest).absolute().parts[1:2] in (("dev",), ("proc",)):
+        return True
+    try:
+        mode = os.stat(dest).st_mode
+    except OSError:
+        return False  # a new file (or one we will fail to create, with its own message)
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def csv_cell(value) -> object:
+    """A CSV cell: None empty, a would-be formula prefixed with ' (see the module doc)."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
     if fmt == "csv":
         writer = csv.writer(stream)  # RFC 4180: CRLF line ends, quotes where needed
         writer.writerow(EXPORT_COLUMNS)
         for row in rows:
-            writer.writerow(["" if row[c] is None else row[c] for c in EXPORT_COLUMNS])
+            writer.writerow([csv_cell(row[c]) for c in EXPORT_COLUMNS])
     elif fmt == "jsonl":
         for row in rows:
             stream.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -64,18 +92,40 @@ def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
         stream.write("\n")
 
 
+def _encoding(fmt: str) -> str:
+    return "utf-8-sig" if fmt == "csv" else "utf-8"
+
+
 def write_export(rows: list[dict], dest: str, fmt: str) -> None:
-    """Write `rows` to `dest` (`-`: stdout) in `fmt`; a file is replaced atomically."""
+    """Write `rows` to `dest` (`-`: stdout) in `fmt`, atomically or through (module doc);
+    OutputError with one line when it cannot be written."""
     if dest == "-":
-        _write(rows, fmt, sys.stdout)
-        sys.stdout.flush()
+        try:
+            _write(rows, fmt, sys.stdout)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # Whatever is still buffered cannot go anywhere; keep the interpreter's final
+            # flush from raising again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise OutputError("stdout was closed before the export was written") from None
         return
     check_destination(dest)
-    path = Path(dest).resolve()
+    through = _writes_through(dest)
+    try:
+        if through:
+            with open(dest, "w", encoding=_encoding(fmt), newline="") as stream:
+                _write(rows, fmt, stream)
+        else:
+            _replace(rows, Path(dest).resolve(), fmt)
+    except OSError as exc:
+        kept = " (the file there is unchanged)" if not through and Path(dest).exists() else ""
+        raise OutputError(f"{dest}: cannot write it ({exc.strerror or exc}){kept}") from None
+
+
+def _replace(rows: list[dict], path: Path, fmt: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8-sig" if fmt == "csv" else "utf-8",
-                       newline="") as stream:
+        with os.fdopen(fd, "w", encoding=_encoding(fmt), newline="") as stream:
             _write(rows, fmt, stream)
             stream.flush()
             os.fsync(stream.fileno())

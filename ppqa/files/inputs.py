@@ -3,7 +3,10 @@
 Every check happens here, before the store is opened, so that bad input changes nothing. Each
 problem raises `InputError` with one line naming the file and, where there is one, the line
 (`questions.jsonl:4: invalid JSON ...`). Text files must be UTF-8 without NUL bytes; `-` reads
-standard input. Questions come from `.txt` (one a line; blank lines and `#` comments skipped),
+standard input. No file is read past `max_bytes` (16 MiB unless the caller says otherwise), so
+an endless stream or a huge file is refused instead of filling memory. Lines end at LF, CRLF or
+CR only (not at the other separators `str.splitlines` knows, which may sit inside a question or
+a JSON string). Questions come from `.txt` (one a line; blank lines and `#` comments skipped),
 `.jsonl` (`{"question": ..., "id": ...}`) or `.csv` (a `question` column, optional `id`);
 a question without an id gets its 1-based number as id.
 """
@@ -13,14 +16,18 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ppqa.store.errors import InputError
-from ppqa.templates import list_templates
+from ppqa.templates import check_template, list_templates
 
 QUESTION_FORMATS = (".txt", ".jsonl", ".csv")
+MAX_INPUT_BYTES = 16 * 2**20  # per file; `ppqa ingest --max-input-mb` changes it
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True)
@@ -36,11 +43,12 @@ class QuestionInput:
             raise InputError(f"{self.where}: empty question id")
 
 
-def read_text(path: str | Path, what: str = "file") -> str:
-    """The UTF-8 text of `path` (`-`: stdin), refusing missing files, folders and binary data."""
+def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_INPUT_BYTES) -> str:
+    """The UTF-8 text of `path` (`-`: stdin), refusing missing files, folders, binary data and
+    anything longer than `max_bytes`."""
     label = "<stdin>" if str(path) == "-" else str(path)
     if str(path) == "-":
-        data = sys.stdin.buffer.read()
+        data = sys.stdin.buffer.read(max_bytes + 1)
     else:
         p = Path(path)
         if p.is_dir():
@@ -48,9 +56,13 @@ def read_text(path: str | Path, what: str = "file") -> str:
         if not p.exists():
             raise InputError(f"{label}: no such {what}")
         try:
-            data = p.read_bytes()
+            with p.open("rb") as f:
+                data = f.read(max_bytes + 1)
         except OSError as exc:
             raise InputError(f"{label}: cannot read it ({exc.strerror})")
+    if len(data) > max_bytes:
+        raise InputError(f"{label}: the {what} is longer than the limit of {_size(max_bytes)} "
+                         "(raise it with --max-input-mb)")
     nul = data.find(b"\x00")
     if nul >= 0:
         line = data.count(b"\n", 0, nul) + 1
@@ -64,9 +76,19 @@ def read_text(path: str | Path, what: str = "file") -> str:
     return text.removeprefix("\ufeff")  # a BOM is an encoding mark, not content
 
 
-def read_document(path: str | Path) -> tuple[str, str]:
+def _size(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of `text`, ended by LF, CRLF or CR only (see the module doc)."""
+    lines = _LINE_END.split(text)
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
+def read_document(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> tuple[str, str]:
     """(text, default name) of a document file; an empty or blank document is refused."""
-    text = read_text(path, "document")
+    text = read_text(path, "document", max_bytes)
     label = "<stdin>" if str(path) == "-" else str(path)
     if not text.strip():
         raise InputError(f"{label}: the document is empty" if not text
@@ -75,9 +97,9 @@ def read_document(path: str | Path) -> tuple[str, str]:
     return text, name
 
 
-def read_questions(path: str | Path) -> list[QuestionInput]:
+def read_questions(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[QuestionInput]:
     suffix = Path(str(path)).suffix.lower()
-    text = read_text(path, "questions file")
+    text = read_text(path, "questions file", max_bytes)
     if suffix not in QUESTION_FORMATS:
         raise InputError(f"{path}: unknown questions format {suffix or '(no extension)'!r}; "
                          f"use {', '.join(QUESTION_FORMATS)}")
@@ -100,7 +122,7 @@ def check_questions(questions: list[QuestionInput], where: str) -> list[Question
 
 def _parse_txt(text: str, label: str) -> list[QuestionInput]:
     out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(split_lines(text), start=1):
         line = line.strip()
         if line and not line.startswith("#"):
             out.append(QuestionInput(str(len(out) + 1), line, f"{label}:{lineno}"))
@@ -108,15 +130,49 @@ def _parse_txt(text: str, label: str) -> list[QuestionInput]:
 
 
 def _json_lines(text: str, label: str):
-    """(where, value) for each non-blank line of a JSONL text; bad JSON names its line."""
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    """(where, value) for each non-blank line of a JSONL text; bad JSON names its line.
+    Strict JSON: Python's NaN and Infinity, numbers too large for a float and strings holding
+    lone surrogates (which no UTF-8 store can keep) are refused."""
+    for lineno, line in enumerate(split_lines(text), start=1):
         if not line.strip():
             continue
         where = f"{label}:{lineno}"
         try:
-            yield where, json.loads(line)
+            value = json.loads(line, parse_constant=_not_json, parse_float=_finite_float)
         except json.JSONDecodeError as exc:
             raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
+        except ValueError as exc:
+            raise InputError(f"{where}: invalid JSON ({exc})")
+        _check_strings(value, where)
+        yield where, value
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large")
+    return value
+
+
+def _check_strings(value, where: str) -> None:
+    """Refuse strings (keys too) that are not valid Unicode text: JSON's \\ud800 escapes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"{where}: invalid JSON (a string holds a lone surrogate "
+                             "\\u escape, which is not text)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, where)
+            _check_strings(item, where)
+    elif isinstance(value, list):
+        for item in value:
+            _check_strings(item, where)
 
 
 def _parse_jsonl(text: str, label: str) -> list[QuestionInput]:
@@ -145,7 +201,8 @@ def question_from_obj(obj: object, position: int, where: str) -> QuestionInput:
 
 
 def _parse_csv(text: str, label: str) -> list[QuestionInput]:
-    reader = csv.reader(io.StringIO(text, newline=""))
+    # strict: a quote opened and never closed is an error, not a field running to the end.
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     try:
         header = next(reader)
     except StopIteration:
@@ -159,9 +216,11 @@ def _parse_csv(text: str, label: str) -> list[QuestionInput]:
     q_col = columns.index("question")
     id_col = columns.index("id") if "id" in columns else None
     out = []
+    start = reader.line_num + 1  # the line the next record starts on
     try:
         for row in reader:
-            where = f"{label}:{reader.line_num}"
+            where = f"{label}:{start}"
+            start = reader.line_num + 1
             if not any(cell.strip() for cell in row):
                 continue
             question = row[q_col].strip() if q_col < len(row) else ""
@@ -170,6 +229,9 @@ def _parse_csv(text: str, label: str) -> list[QuestionInput]:
             qid = row[id_col].strip() if id_col is not None and id_col < len(row) else ""
             out.append(QuestionInput(qid or str(len(out) + 1), question, where))
     except csv.Error as exc:
+        if reader.line_num > start and "end of data" in str(exc):
+            raise InputError(f"{label}:{start}: malformed CSV (a quoted field opened on line "
+                             f"{start} is never closed)")
         raise InputError(f"{label}:{reader.line_num}: malformed CSV ({exc})")
     return out
 
@@ -183,6 +245,21 @@ def resolve_template(template: str) -> str:
         return str(path.resolve())
     known = ", ".join(list_templates())
     raise InputError(f"unknown template {template!r} (built-in: {known}; or a path to a .jinja file)")
+
+
+def read_template(template: str, max_bytes: int = MAX_INPUT_BYTES) -> tuple[str, str | None]:
+    """(label, source) of a template: a built-in name with source None (the worker has it), or
+    a user's `.jinja` file as (absolute path, its text), checked to compile, to define both
+    blocks and to render a sample. The text is what the job keeps (see `store.jobs.ingest`)."""
+    label = resolve_template(template)
+    if label in list_templates():
+        return label, None
+    source = read_text(label, "template", max_bytes)
+    try:
+        check_template(source, label)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return label, source
 
 
 PARAM_KEYS = ("template", "max_new_tokens", "temperature", "top_p", "seed", "mode", "model",
@@ -200,13 +277,13 @@ class BatchItem:
     where: str
 
 
-def read_batch(path: str | Path) -> list[BatchItem]:
+def read_batch(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[BatchItem]:
     """Parse a batch `.jsonl`: one `{"document"|"document_path", "questions", ...}` a line.
 
     `document_path` is relative to the batch file's folder; `name` defaults to `id`, then to the
     document file's name; any of PARAM_KEYS overrides the command-line option for that line.
     """
-    text = read_text(path, "batch file")
+    text = read_text(path, "batch file", max_bytes)
     label = "<stdin>" if str(path) == "-" else str(path)
     base = Path.cwd() if str(path) == "-" else Path(path).resolve().parent
     allowed = {"document", "document_path", "questions", "name", "id", *PARAM_KEYS}
@@ -224,11 +301,14 @@ def read_batch(path: str | Path) -> list[BatchItem]:
             doc = obj["document"]
             if not isinstance(doc, str) or not doc.strip():
                 raise InputError(f"{where}: 'document' must be a non-empty string")
+            if len(doc.encode("utf-8")) > max_bytes:
+                raise InputError(f"{where}: the document is longer than the limit of "
+                                 f"{_size(max_bytes)} (raise it with --max-input-mb)")
             default_name = f"{Path(label).stem}-{where.rsplit(':', 1)[1]}"
         else:
             doc_path = base / str(obj["document_path"])
             try:
-                doc, default_name = read_document(doc_path)
+                doc, default_name = read_document(doc_path, max_bytes)
             except InputError as exc:
                 raise InputError(f"{where}: {exc}")
         raw_questions = obj.get("questions")

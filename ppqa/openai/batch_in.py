@@ -127,14 +127,16 @@ def _request(raw: str, number: int, label: str, endpoint: str,
         raise RequestError(f"body: {exc}", f"body.{exc.param}" if exc.param else "body") from None
 
 
-def ingest_batch_file(db, path, model: PromptModel, *, priority: int = 0, force: bool = False):
+def ingest_batch_file(db, path, model: PromptModel, *, priority: int = 0, force: bool = False,
+                      max_bytes: int | None = None):
     """`ppqa ingest --openai-batch`: read, plan and queue a batch file as a new batch (all or
     nothing). Returns (BatchRow, IngestResults, BatchPlan)."""
     from ppqa.files.inputs import read_text
     from ppqa.store.openai_batches import ingest_plan
 
     label = "<stdin>" if str(path) == "-" else str(path)
-    text = read_text(path, "batch file")
+    text = (read_text(path, "batch file") if max_bytes is None
+            else read_text(path, "batch file", max_bytes))
     plan = plan_batch_file(text, Path(label).name, model, priority=priority)
     batch, results = ingest_plan(db, plan, model=model.name, force=force)
     return batch, results, plan

@@ -3,7 +3,13 @@
 `open_db(location)` turns a `--db` value (a file path or any SQLAlchemy URL; default: `ppqa.db`
 in the user's data directory, or in `$PPQA_HOME`) into a `Database`, checks that it can be read
 and applies pending migrations. Every failure to open, read or reach it becomes one
-`DatabaseUnavailable` with a message naming the database.
+`DatabaseUnavailable` with a message naming the database. It refuses what is not a ppqa store
+before changing anything: a database holding another program's tables (ppqa would add its own
+and switch the file to WAL), an in-memory SQLite database (an ingest into it would be lost at
+exit) and, unless `create`, a SQLite file that does not exist (a typo must not create one).
+
+No message shows a password: `redact` masks the passwords of every location `open_db` was
+given, and anything written like one, in whatever text it is handed.
 
 SQLite runs in WAL mode (readers never wait for the writer) with foreign keys on and a busy
 timeout. Python's sqlite3 driver is put in autocommit mode so that we emit BEGIN ourselves:
@@ -15,6 +21,7 @@ process committed in between, which busy_timeout does not retry.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -23,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
@@ -44,14 +51,54 @@ def resolve_url(location: str | os.PathLike[str] | None) -> str:
     return f"sqlite:///{Path(location).expanduser().resolve()}"
 
 
+# Passwords of the locations opened in this process, masked wherever they appear (a driver may
+# quote a URL it could not parse in its own words).
+_SECRETS: set[str] = set()
+_URL_PASSWORD = re.compile(r"(://[^:/?#@\s]*:)[^/?#\s]*@")  # scheme://user:PASSWORD@host
+# password=SECRET in a query string or a libpq DSN; a trailing ':' or ',' is the message's own.
+_KEY_PASSWORD = re.compile(
+    r"(password\s*=\s*)(?!\*\*\*)('[^']*'|\"[^\"]*\"|[^&\s'\"]+?(?=[:,;]?(?:\s|&|$)))",
+    re.IGNORECASE)
+
+
+def remember_secrets(location: str) -> None:
+    """Note the password(s) in a database location, as written and as parsed."""
+    location = str(location)
+    for pattern in (_URL_PASSWORD, _KEY_PASSWORD):
+        for match in pattern.finditer(location):
+            secret = match.group(0)[len(match.group(1)):].rstrip("@").strip("'\"")
+            _remember(secret)
+    try:
+        password = make_url(location).password
+    except (ArgumentError, ValueError, TypeError):
+        return
+    _remember(str(password or ""))
+
+
+def _remember(secret: str) -> None:
+    # A one- or two-character password would mask every such letter pair in a message; the
+    # patterns of `redact` still hide it where a URL or a DSN shows it.
+    if len(secret) >= 3:
+        _SECRETS.add(secret)
+
+
+def redact(text: str) -> str:
+    """`text` with every known password, and anything shaped like one, replaced by ***."""
+    text = str(text)
+    for secret in sorted(_SECRETS, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    text = _URL_PASSWORD.sub(lambda m: m.group(1) + "***@", text)
+    return _KEY_PASSWORD.sub(lambda m: m.group(1) + "***", text)
+
+
 def _describe(url: str) -> str:
     try:
         parsed = make_url(url)
-    except ArgumentError:
-        return url
+    except (ArgumentError, ValueError):
+        return redact(url)
     if parsed.get_backend_name() == "sqlite":
         return parsed.database or ":memory:"
-    return parsed.render_as_string(hide_password=True)
+    return redact(parsed.render_as_string(hide_password=True))
 
 
 def _enable_wal(cursor: sqlite3.Cursor) -> None:
@@ -129,37 +176,40 @@ class Database:
         self.engine.dispose()
 
 
-def open_db(location: str | os.PathLike[str] | None = None, *, migrate: bool = True) -> Database:
-    """Open (creating if needed) and migrate the store at `location`; see the module doc."""
+def open_db(location: str | os.PathLike[str] | None = None, *, migrate: bool = True,
+            create: bool = True) -> Database:
+    """Open (creating if needed and `create`) and migrate the store at `location`; see the
+    module doc. The default location may always be created."""
     url = resolve_url(location)
+    remember_secrets(url)
     where = _describe(url)
     try:
         parsed = make_url(url)
-    except ArgumentError:
-        raise DatabaseUnavailable(f"cannot open database {url!r}: not a file path or database URL")
+    except (ArgumentError, ValueError):
+        hint = " (it holds a space)" if " " in url else ""
+        raise DatabaseUnavailable(f"cannot open database {where}: not a file path or database "
+                                  f"URL{hint}")
+    if re.search(r"://[^/]*@[^/]*@", url):  # the driver would read part of the password as host
+        raise DatabaseUnavailable(f"cannot open database {where}: the URL holds two '@'; write "
+                                  "an '@' inside the user name or password as %40")
     kwargs: dict = {}
     if parsed.get_backend_name() == "sqlite":
-        path = Path(parsed.database or "")
-        if parsed.database and path.is_dir():
-            raise DatabaseUnavailable(f"cannot open database {where}: it is a directory")
-        if parsed.database and not path.parent.is_dir():
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise DatabaseUnavailable(
-                    f"cannot open database {where}: cannot create its folder ({exc.strerror})")
+        _check_sqlite_file(parsed, where, create or location in (None, ""))
     elif parsed.get_backend_name() == "postgresql":
         # Fail fast on an unreachable server instead of hanging a command.
         kwargs["connect_args"] = {"connect_timeout": 5}
         kwargs["pool_pre_ping"] = True
     try:
         engine = create_engine(parsed, **kwargs)
-    except (NoSuchModuleError, ImportError, ArgumentError) as exc:
-        raise DatabaseUnavailable(f"cannot open database {where}: {exc}")
+    except (NoSuchModuleError, ImportError, ArgumentError, ValueError, TypeError) as exc:
+        raise DatabaseUnavailable(f"cannot open database {where}: {redact(exc)}")
     if engine.dialect.name == "sqlite":
         _setup_sqlite(engine)
     db = Database(engine=engine, url=url)
     try:
+        if engine.dialect.name != "sqlite":  # SQLite files are checked before connecting
+            with db.read() as conn:
+                _check_tables(inspect(conn).get_table_names(), where)
         if migrate:
             from ppqa.store.migrations import migrate as run_migrations
 
@@ -169,6 +219,60 @@ def open_db(location: str | os.PathLike[str] | None = None, *, migrate: bool = T
                 conn.execute(text("SELECT 1"))
     except DBAPIError as exc:
         engine.dispose()
-        reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
-        raise DatabaseUnavailable(f"cannot open database {where}: {reason}")
+        raise DatabaseUnavailable(f"cannot open database {where}: {error_reason(exc)}")
+    except DatabaseUnavailable:
+        engine.dispose()
+        raise
     return db
+
+
+def error_reason(exc: Exception) -> str:
+    """The first line of a database error, as the driver gave it, without passwords."""
+    orig = getattr(exc, "orig", None)
+    lines = str(orig if orig is not None else exc).strip().splitlines()
+    return redact(lines[0] if lines else type(exc).__name__)
+
+
+def _check_sqlite_file(parsed, where: str, create: bool) -> None:
+    """Refuse an in-memory database, a missing file (unless `create`) and a file of another
+    program, looking at it read-only so that nothing in it changes."""
+    database = parsed.database or ""
+    if database in ("", ":memory:") or "memory" in str(parsed.query.get("mode", "")) \
+            or database.startswith("file::memory:"):
+        raise DatabaseUnavailable(
+            "cannot use an in-memory SQLite database: what is written to it is lost when the "
+            "command exits; give a file path, e.g. --db jobs.db")
+    if parsed.query.get("uri") and database.startswith("file:"):
+        database = database[len("file:"):].split("?", 1)[0]
+    path = Path(database)
+    if path.is_dir():
+        raise DatabaseUnavailable(f"cannot open database {where}: it is a directory")
+    if not path.exists():
+        if not create:
+            raise DatabaseUnavailable(f"cannot open database {where}: there is no store there "
+                                      "(check the path; `ppqa ingest` creates a new one)")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DatabaseUnavailable(
+                f"cannot open database {where}: cannot create its folder ({exc.strerror})")
+        return
+    try:
+        with sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True) as conn:
+            tables = [r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        conn.close()
+    except sqlite3.Error as exc:
+        raise DatabaseUnavailable(f"cannot open database {where}: {exc}")
+    _check_tables(tables, where)
+
+
+def _check_tables(tables: list[str], where: str) -> None:
+    from ppqa.store.models import MigrationRecord
+
+    foreign = [t for t in tables if not t.startswith("sqlite_")]
+    if foreign and MigrationRecord.__tablename__ not in foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise DatabaseUnavailable(
+            f"{where} is not a ppqa store: it holds another program's tables ({shown}), and "
+            "ppqa will not add its own; give another --db (a new file, or an empty database)")

@@ -1,8 +1,9 @@
 """Errors the store raises for the CLI to turn into one line and exit code 2.
 
 `InputError` is bad user input (a file, an option); `StoreError` is a database that cannot be
-used or a request the queue's state refuses (unknown job, cancelling a finished job). Both carry
-a message written for the person at the terminal, saying what is wrong and where.
+used or a request the queue's state refuses (unknown job, cancelling a finished job);
+`OutputError` an output file that cannot be written. Each carries a message written for the
+person at the terminal, saying what is wrong and where.
 """
 
 from __future__ import annotations
@@ -22,3 +23,8 @@ class DatabaseUnavailable(StoreError):
 
 class NotFoundError(StoreError):
     """What was asked for (a file, a batch) is not in the store."""
+
+
+class OutputError(RuntimeError):
+    """A file the user asked for cannot be written (a full disk, a closed pipe); whatever was
+    there before is unchanged."""

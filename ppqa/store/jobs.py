@@ -17,10 +17,14 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from ppqa.store.db import Database
 from ppqa.store.errors import InputError, StoreError
-from ppqa.files.inputs import QuestionInput, resolve_template
+from ppqa.files.inputs import QuestionInput, read_template
 from ppqa.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, Answer, Document, Job,
                                Question)
 from ppqa.store.params import GenerationParams
+from ppqa.templates import check_template
+
+
+MAX_PRIORITY = 2**31 - 1  # jobs.priority is a 32-bit INTEGER on PostgreSQL
 
 
 @dataclass
@@ -31,6 +35,9 @@ class IngestRequest:
     params: GenerationParams = field(default_factory=GenerationParams)
     priority: int = 0
     where: str = ""  # prefix for messages ("batch.jsonl:3"); empty for a single ingest
+    # A user template's text, kept with the job; None: read (and checked) at ingest from
+    # params.template when that is a file, None for a built-in template.
+    template_source: str | None = None
 
     def __post_init__(self) -> None:
         if not self.document_text.strip():
@@ -41,6 +48,9 @@ class IngestRequest:
             raise InputError(self._at("the document name is empty"))
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InputError(self._at(f"priority must be a whole number, got {self.priority!r}"))
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InputError(self._at(f"priority must be from {-MAX_PRIORITY} to {MAX_PRIORITY}, "
+                                      f"got {self.priority}"))
 
     def _at(self, message: str) -> str:
         return f"{self.where}: {message}" if self.where else message
@@ -64,11 +74,15 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def job_key(document_sha256: str, questions: list[QuestionInput], params: GenerationParams) -> str:
-    """Identity of a job's work: same document, same questions and ids, same parameters."""
+def job_key(document_sha256: str, questions: list[QuestionInput], params: GenerationParams,
+            template_source: str | None = None) -> str:
+    """Identity of a job's work: same document, same questions and ids, same parameters (and,
+    for a user template, the same template text)."""
     payload = {"document": document_sha256,
                "questions": [[q.custom_id, q.text] for q in questions],
                "params": params.to_dict()}
+    if template_source is not None:
+        payload["template_sha256"] = sha256_text(template_source)
     return sha256_text(json.dumps(payload, sort_keys=True, ensure_ascii=False))
 
 
@@ -79,10 +93,16 @@ def ingest(db: Database, requests: list[IngestRequest], *, force: bool = False,
     `on_written(conn, now, results)` runs in the same transaction after the jobs are written
     (what else must land with them, e.g. an OpenAI batch's request rows); if it raises, nothing
     is written."""
-    for req in requests:  # template files are checked before the transaction starts
-        resolved = resolve_template(req.params.template)
-        if resolved != req.params.template:
-            req.params = GenerationParams.from_dict({**req.params.to_dict(), "template": resolved})
+    for req in requests:  # template files are read and checked before the transaction starts
+        if req.template_source is None:
+            label, req.template_source = read_template(req.params.template)
+            if label != req.params.template:
+                req.params = GenerationParams.from_dict({**req.params.to_dict(), "template": label})
+        else:
+            try:
+                check_template(req.template_source, req.params.template)
+            except ValueError as exc:
+                raise InputError(req._at(str(exc))) from None
     results = []
     with db.write() as conn:
         now = db.now(conn)
@@ -103,7 +123,7 @@ def _ingest_one(conn: Connection, req: IngestRequest, now, force: bool) -> Inges
         doc_name, is_new = req.name, True
     else:
         doc_id, doc_name, is_new = doc.id, doc.name, False
-    key = job_key(sha, req.questions, req.params)
+    key = job_key(sha, req.questions, req.params, req.template_source)
     if not force:
         existing = conn.execute(select(Job.id).where(Job.job_key == key, Job.status != CANCELLED)
                                 .order_by(Job.id)).scalars().first()
@@ -113,7 +133,7 @@ def _ingest_one(conn: Connection, req: IngestRequest, now, force: bool) -> Inges
     job_id = conn.execute(insert(Job).values(
         document_id=doc_id, question_count=len(req.questions), params=req.params.to_dict(),
         job_key=key, status=QUEUED, priority=req.priority, attempts=0, created_at=now,
-        model=req.params.model)).inserted_primary_key[0]
+        model=req.params.model, template_source=req.template_source)).inserted_primary_key[0]
     conn.execute(insert(Question), [
         {"job_id": job_id, "position": i, "custom_id": q.custom_id, "text": q.text}
         for i, q in enumerate(req.questions)])

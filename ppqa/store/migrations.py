@@ -164,6 +164,12 @@ def _m0006_openai_batches(conn: Connection) -> None:
         md.tables[name].create(conn)
 
 
+def _m0007_template_source(conn: Connection) -> None:
+    """jobs.template_source: a user template's text, stored with the job at ingest. Jobs
+    queued before keep only the path, which the worker still reads."""
+    conn.execute(text("ALTER TABLE jobs ADD COLUMN template_source TEXT"))
+
+
 def _json_value(raw) -> dict:
     import json
 
@@ -178,6 +184,7 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("0003_job_model", _m0003_job_model),
     ("0005_drop_first_token_seconds", _m0005_drop_first_token_seconds),
     ("0006_openai_batches", _m0006_openai_batches),
+    ("0007_template_source", _m0007_template_source),
 ]
 
 

@@ -72,6 +72,10 @@ class Job(Base):
     # Added by migration 0003: the model a job asks for (None: whatever the worker runs),
     # a column so that claims can filter on it in SQL.
     model: Mapped[str | None] = mapped_column(String(200), index=True)
+    # Added by migration 0007: the text of a user's template (params.template holds its path,
+    # for messages), so that editing or deleting the file after ingest changes no queued job
+    # and workers on other hosts need no copy. None for built-in templates.
+    template_source: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_jobs_claim_order", "status", "priority", "created_at"),)
 

@@ -10,9 +10,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ppqa.config import MAX_NEW_TOKENS, MAX_SEED
 from ppqa.modes import check_mode
 from ppqa.store.errors import InputError
-
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,16 @@ class GenerationParams:
             raise InputError(f"max_new_tokens must be a whole number, got {self.max_new_tokens!r}")
         if self.max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise InputError(f"max_new_tokens must be at most {MAX_NEW_TOKENS:,}, "
+                             f"got {self.max_new_tokens}")
         if not _is_number(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             raise InputError(f"temperature must be a number from 0 to 100, got {self.temperature!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise InputError(f"seed must be a whole number >= 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed <= MAX_SEED:
+            raise InputError(f"seed must be a whole number from 0 to {MAX_SEED}, got {self.seed!r}")
         try:
             check_mode(self.mode)
         except ValueError as exc:

@@ -22,7 +22,7 @@ from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from ppqa.store.db import Database
-from ppqa.store.errors import StoreError
+from ppqa.store.errors import InputError, StoreError
 from ppqa.store.models import (DONE, FAILED, QUEUED, RUNNING, Answer, Document, Job, Question,
                                Report)
 from ppqa.store.params import GenerationParams
@@ -50,6 +50,7 @@ class ClaimedJob:
     question_count: int  # all of the job's questions, answered or not
     questions: list[ClaimedQuestion]  # the unanswered ones, in order
     lease_expires_at: datetime
+    template_source: str | None = None  # a user template's stored text (None: built-in)
 
     def __post_init__(self) -> None:
         if not self.questions:
@@ -89,13 +90,15 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
             status=FAILED, finished_at=now, lease_owner=None, lease_expires_at=None,
             error=f"lease expired after {max_attempts} attempts (did its worker die?)"))
         chosen: list = []
+        params: dict[int, GenerationParams] = {}
         while not chosen:  # a document whose jobs all turn out answered: try the next one
             head = conn.execute(select(Job.document_id).where(_claimable(now, model))
                                 .order_by(*order).limit(1).with_for_update(skip_locked=True)).first()
             if head is None:
                 return []
             rows = conn.execute(
-                select(Job.id, Job.params, Job.priority, Job.attempts, Job.question_count)
+                select(Job.id, Job.params, Job.priority, Job.attempts, Job.question_count,
+                       Job.template_source)
                 .where(_claimable(now, model), Job.document_id == head.document_id)
                 .order_by(*order).limit(max_jobs).with_for_update(skip_locked=True)).all()
             open_questions = _unanswered(conn, [r.id for r in rows])
@@ -105,6 +108,13 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                 if not todo:  # every answer is in: only the finishing step was lost
                     conn.execute(update(Job).where(Job.id == row.id).values(
                         status=DONE, finished_at=now, lease_owner=None, lease_expires_at=None))
+                    continue
+                try:
+                    params[row.id] = GenerationParams.from_dict(row.params)
+                except InputError as exc:  # stored by a ppqa that checked less: fails alone
+                    conn.execute(update(Job).where(Job.id == row.id).values(
+                        status=FAILED, finished_at=now, lease_owner=None, lease_expires_at=None,
+                        attempts=Job.attempts + 1, error=f"invalid job parameters: {exc}"))
                     continue
                 if chosen and max_questions is not None and total + len(todo) > max_questions:
                     break
@@ -118,9 +128,10 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                            .where(Document.id == head.document_id)).one()
     return [ClaimedJob(job_id=r.id, document_id=doc.id, document_name=doc.name,
                        document_text=doc.text, document_sha256=doc.sha256,
-                       params=GenerationParams.from_dict(r.params), priority=r.priority,
+                       params=params[r.id], priority=r.priority,
                        attempts=r.attempts + 1, question_count=r.question_count,
-                       questions=open_questions[r.id], lease_expires_at=expires)
+                       questions=open_questions[r.id], lease_expires_at=expires,
+                       template_source=r.template_source)
             for r in chosen]
 
 

@@ -81,9 +81,24 @@ def load_template(template: str) -> Any:
 
 
 def render_block(tmpl: Any, block: str, context: Mapping[str, Any]) -> str:
-    """Render one block of a compiled template with `context`."""
+    """Render one block of a compiled template with `context`; ValueError whatever goes wrong
+    (a user's template can raise anything: `{% include %}` without a loader is a TypeError)."""
     try:
         return "".join(tmpl.blocks[block](tmpl.new_context(dict(context))))
     except Exception as e:  # noqa: BLE001 - a user's template can fail in any way (e.g. include)
         raise ValueError(f"template block {block!r} failed to render: "
                          f"{type(e).__name__}: {e}") from e
+
+
+def check_template(source: str, label: str = "<template>") -> None:
+    """ValueError unless `source` compiles, has both blocks and renders a sample document and
+    question, for plain and chat models alike: what ingest can check before a job is queued."""
+    tmpl = compile_template(source, label)
+    for chat in (False, True):
+        context = {"document": "A sample document.", "chat": chat}
+        try:
+            render_block(tmpl, "prefix", context)
+            render_block(tmpl, "question", {**context, "question": "A sample question?",
+                                            "index": 0})
+        except ValueError as e:
+            raise ValueError(f"template {label!r}: {e}") from e

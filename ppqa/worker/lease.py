@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from ppqa.store import queue
-from ppqa.store.db import Database
+from ppqa.store.db import Database, error_reason
 
 
 class LeaseKeeper:
@@ -51,7 +51,7 @@ class LeaseKeeper:
             try:
                 lost = queue.heartbeat(self.db, self.worker_id, job_ids, self.lease_seconds)
             except Exception as exc:  # noqa: BLE001 - try again at the next beat
-                self.on_problem(f"heartbeat failed, retrying: {exc}")
+                self.on_problem(f"heartbeat failed, retrying: {error_reason(exc)}")
                 continue
             lost = [j for j in lost if j in self.job_ids]  # not those settled meanwhile
             if lost:

@@ -8,8 +8,9 @@ The loop, between engine steps (the step in flight runs on the GPU meanwhile):
   - step the session once: admission, chunked prefill, one decode step per kind of request;
   - write the answers that step finished (`record_answers`, one short transaction) and settle
     each job whose questions are all answered or rejected: `finish_job` with its own speed
-    report, or `fail_job` with the reason (a document too long for the model fails that job
-    alone, without a retry);
+    report, or `fail_job` with the reason (a document too long for the model, a template that
+    fails to render or parameters the sampler cannot take fail that job alone, without a
+    retry; the other jobs go on);
   - jobs whose lease the heartbeat found lost (cancelled, or taken over) leave the session at
     once (`EngineSession.cancel`).
 So a job ingested while others decode starts at the next claim, not after the others end.
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.exc import SQLAlchemyError
 
 from ppqa.store import queue
-from ppqa.store.db import Database
+from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
 from ppqa.store.queue import ClaimedJob
 from ppqa.worker.lease import LeaseKeeper
@@ -149,7 +150,7 @@ class Worker:
 
     def _on_answer(self, req, answer) -> None:
         run = self._runs.get(req.key[0])
-        if run is not None:
+        if run is not None and not run.lost:  # a cancelled job's late answers are not wanted
             self._answers.append((run, req.key[1], answer))
 
     def _on_error(self, req, exc) -> None:
@@ -186,7 +187,7 @@ class Worker:
                 if not busy and not got_any and not opts.follow:
                     raise
                 # A worker with work, or a long-running one, rides out a database blip.
-                self.progress.message(f"cannot claim jobs, retrying: {exc}")
+                self.progress.message(f"cannot claim jobs, retrying: {error_reason(exc)}")
                 claims = []
             if not claims:
                 self._next_claim = time.perf_counter() + opts.poll_seconds
@@ -214,7 +215,8 @@ class Worker:
             mode = self.options.mode if self.options.mode != "auto" else claim.params.mode
             by_mode.setdefault(mode, []).extend(
                 QuestionRequest(key=(claim.job_id, q.id), document=claim.document_text,
-                                question=q.text, sampling=sampling, template=claim.params.template)
+                                question=q.text, sampling=sampling, template=claim.params.template,
+                                template_source=claim.template_source)
                 for q in claim.questions)
         for mode, requests in by_mode.items():
             try:
@@ -252,7 +254,7 @@ class Worker:
                 saved = True
             except Exception as exc:  # noqa: BLE001 - each answer gets a second try at settling
                 saved = False
-                self.progress.message(f"answers not saved yet ({exc})")
+                self.progress.message(f"answers not saved yet ({error_reason(exc)})")
             now = time.perf_counter()
             for run, qid, answer in batch:
                 if saved:
@@ -300,8 +302,9 @@ class Worker:
         try:
             outcome = end()
         except (SQLAlchemyError, StoreError) as exc:
-            self.progress.message(f"job {run.claim.job_id}: could not update the store ({exc}); "
-                                  "its lease will expire and another worker will take it over")
+            self.progress.message(f"job {run.claim.job_id}: could not update the store "
+                                  f"({error_reason(exc)}); its lease will expire and another "
+                                  "worker will take it over")
             return None
         self.summary.add(outcome)
         self.progress.settled(outcome)
@@ -332,6 +335,8 @@ class Worker:
 
 
 def _sampling(claim: ClaimedJob):
+    """A job's sampling parameters; raises if they cannot make any (a seed or budget out of
+    range, in a job queued before ingest checked them): that job then fails alone."""
     from ppqa.config import SamplingParams
 
     p = claim.params

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ppqa.store import queue
-from ppqa.store.db import Database
+from ppqa.store.db import Database, error_reason
 from ppqa.store.queue import ClaimedJob
 from ppqa.store.reports import JobReport
 
@@ -83,7 +83,8 @@ class JobRun:
             self.add_answer(question_id, answer, time.perf_counter())
         self.unsaved = still
         if still and self.error is None:
-            self.error = f"{len(still)} answer(s) could not be saved: {still[-1][2]}"
+            self.error = (f"{len(still)} answer(s) could not be saved: "
+                          f"{error_reason(still[-1][2])}")
 
 
 def job_report(run: JobRun, options, peak_memory_bytes: int = 0,

@@ -14,16 +14,19 @@ HF directory or GGUF metadata, never from the hub); `ByteTokenizer` is the file-
 
 from __future__ import annotations
 
+import codecs
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ppqa.templates import RENDERED_BLOCK, load_template, render_block
+from ppqa.templates import RENDERED_BLOCK, compile_template, load_template, render_block
 
 # Splits a rendered chat conversation into the prefix and the per-question part; control
 # characters so that no real text (or chat template) contains it.
 _SPLIT_MARK = "\x00ppqa-split\x00"
 _QUESTION_MARK = "\x00ppqa-question\x00"
+_REPLACEMENT = "\ufffd"
 
 
 @dataclass
@@ -71,6 +74,14 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`; an incomplete character at the end (an answer cut inside a
+        multi-byte character) is left out rather than shown as U+FFFD."""
+        raise NotImplementedError
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: with it a text too
+        long for a context is known without tokenizing it."""
         raise NotImplementedError
 
     def render_chat(self, user_content: str) -> str:
@@ -84,16 +95,20 @@ class Tokenizer:
         raise NotImplementedError(f"{type(self).__name__} has no chat template")
 
     def prompt(self, template: str, document: str, questions: Sequence[str], *,
-               variables: Mapping[str, Any] | None = None) -> Prompt:
+               variables: Mapping[str, Any] | None = None,
+               template_source: str | None = None) -> Prompt:
         """Tokenize `questions` about `document` with a template (built-in name or .jinja path).
 
         `variables` are extra names the template may use (e.g. `labels` for the label template).
+        `template_source`: the template's text, when the caller holds it (a job stores its user
+        template's text); `template` is then only its name in messages.
         """
         if isinstance(questions, str):
             raise TypeError("questions must be a sequence of strings, not one string")
         if not questions:
             raise ValueError("no questions: a prompt needs at least one question")
-        tmpl = load_template(template)
+        tmpl = (load_template(template) if template_source is None
+                else compile_template(template_source, template))
         # A template of already rendered text (`raw`) is never wrapped a second time.
         wrap = self.chat_template is not None and RENDERED_BLOCK not in tmpl.blocks
         context = {**(variables or {}), "document": document, "chat": wrap}
@@ -146,7 +161,19 @@ class HFTokenizer(Tokenizer):
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        ids = list(ids)
+        text = self.hf.decode(ids, skip_special_tokens=True)
+        # A last token that alone decodes to a replacement character holds the first bytes of
+        # a character the answer stopped before: drop that character, keep the rest.
+        if text.endswith(_REPLACEMENT) and self.hf.decode(ids[-1:]).endswith(_REPLACEMENT):
+            return text[:-1]
+        return text
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        # Vocabulary strings overstate what they stand for (byte-level BPE writes a byte as a
+        # 2-byte character, SentencePiece a space as 3 bytes), which is safe for a bound.
+        return max((len(t.encode("utf-8")) for t in self.hf.get_vocab()), default=1) or 1
 
     def render_messages(self, messages: Sequence[Mapping[str, str]], *,
                         add_generation_prompt: bool = True) -> str:
@@ -174,7 +201,10 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    max_token_bytes = 1
+
     def decode(self, ids: Sequence[int]) -> str:
         # Specials and the ids above them (a random model emits any id below vocab_size) carry no text.
         data = bytes(int(i) for i in ids if 0 <= int(i) < self.NUM_BYTES)
-        return data.decode("utf-8", errors="replace")
+        # Not final: the incremental decoder keeps back an incomplete last character.
+        return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=False)
