@@ -38,7 +38,8 @@ def files(tmp_path):
         "dup_ids": put("dup.jsonl", '{"question": "A?", "id": 1}\n{"question": "B?", "id": 1}\n'),
         "bad_batch": put("batch.jsonl", '{"document": "D", "questions": ["Q?"]}\n{"document": \n'),
         # Issue 20: an unterminated quote must not swallow the rows after it.
-        "open_quote": put("open.csv", 'id,question\n1,"Unterminated question?\n2,Second?\n3,Third?\n'),
+        "open_quote": put("open.csv",
+                          'id,question\n1,"Unterminated question?\n2,Second?\n3,Third?\n'),
         "nan_jsonl": put("nan.jsonl", '{"question": "A?", "id": NaN}\n'),
         "huge_jsonl": put("huge.jsonl", '{"question": "A?", "id": 1e999}\n'),
         "surrogate_jsonl": put("sur.jsonl", '{"question": "A \\ud800?"}\n'),
@@ -107,13 +108,17 @@ CASES = [
     ("huge lease", "run --lease-seconds 1e300", r"less than or equal to 86400"),
     # Item 8: a bounded read.
     ("document over the limit", "ingest {big_doc} {questions} --max-input-mb 0.002",
-     r"big\.txt: the document is longer than the limit of 2,097 bytes \(raise it with --max-input-mb\)"),
+     r"big\.txt: the document is longer than the limit of 2,097 bytes "
+     r"\(raise it with --max-input-mb\)"),
     ("batch document over the limit", "ingest --batch {big_batch} --max-input-mb 0.002",
      r"bigbatch\.jsonl:1: .*big\.txt: the document is longer than the limit"),
     # Item 9: strict JSON.
-    ("NaN in jsonl", "ingest {doc} {nan_jsonl}", r"nan\.jsonl:1: invalid JSON \(NaN is not a JSON value\)"),
-    ("huge number in jsonl", "ingest {doc} {huge_jsonl}", r"huge\.jsonl:1: invalid JSON \(the number 1e999"),
-    ("lone surrogate in jsonl", "ingest {doc} {surrogate_jsonl}", r"sur\.jsonl:1: invalid JSON \(a string holds a lone surrogate"),
+    ("NaN in jsonl", "ingest {doc} {nan_jsonl}",
+     r"nan\.jsonl:1: invalid JSON \(NaN is not a JSON value\)"),
+    ("huge number in jsonl", "ingest {doc} {huge_jsonl}",
+     r"huge\.jsonl:1: invalid JSON \(the number 1e999"),
+    ("lone surrogate in jsonl", "ingest {doc} {surrogate_jsonl}",
+     r"sur\.jsonl:1: invalid JSON \(a string holds a lone surrogate"),
 ]
 
 

@@ -46,12 +46,11 @@ def test_unknown_public_name() -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"max_new_tokens": 0}, "max_new_tokens must be an integer from 1 to"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
     ({"temperature": -0.5}, "temperature must be >= 0"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_k": -1}, "top_k must be an integer >= 0"),
-    ({"seed": -3}, "seed must be None or an integer from 0 to"),
-    ({"seed": 99999999999999999999999}, "seed must be None or an integer from 0 to"),
+    ({"seed": -3}, "seed must be None or an integer >= 0"),
     ({"stop": ("ok", "")}, "stop must hold non-empty strings"),
 ])
 def test_sampling_params_checks(kwargs: dict, message: str) -> None:

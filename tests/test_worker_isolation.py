@@ -81,7 +81,8 @@ def test_bad_jobs_fail_alone_and_the_worker_goes_on(sqlite_db, engine, tmp_path)
     # Failed at once (attempt 1): the same input would fail again.
     assert jobs[bad_template][:2] == ("failed", 1) and "TypeError" in jobs[bad_template][2]
     # The stored seed is refused when the job is claimed, before it reaches the worker.
-    assert jobs[bad_seed][:2] == ("failed", 1) and "invalid job parameters: seed" in jobs[bad_seed][2]
+    assert jobs[bad_seed][:2] == ("failed", 1)
+    assert "invalid job parameters: seed" in jobs[bad_seed][2]
     assert summary.count("done") == 2 and summary.count("failed") == 1
     expected = engine.answer(DOC, ["Where?", "Why?"],
                              sampling=SamplingParams(max_new_tokens=4, seed=7))

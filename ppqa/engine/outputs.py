@@ -30,8 +30,8 @@ class QuestionRequest:
     document: str
     question: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    template: str = "qa"  # a built-in name or a .jinja path (its label when template_source is set)
-    template_source: str | None = None  # the template's text, rendered instead of reading `template`
+    template: str = "qa"  # a built-in name or a .jinja path (a label when template_source is set)
+    template_source: str | None = None  # the template's text, rendered instead of `template`
 
     def __post_init__(self) -> None:
         if not isinstance(self.document, str) or not isinstance(self.question, str):

@@ -10,9 +10,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ppqa.config import MAX_NEW_TOKENS, MAX_SEED
 from ppqa.modes import check_mode
 from ppqa.store.errors import InputError
+
+MAX_SEED = 2**63 - 1  # the sampler's seeds are int64 (engine/runtime/sampling.py)
+MAX_NEW_TOKENS = 1_000_000  # beyond any model's context
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class GenerationParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
                 or not 0 <= self.seed <= MAX_SEED:
-            raise InputError(f"seed must be a whole number from 0 to {MAX_SEED}, got {self.seed!r}")
+            raise InputError(f"seed must be a whole number from 0 to {MAX_SEED}, "
+                             f"got {self.seed!r}")
         try:
             check_mode(self.mode)
         except ValueError as exc:
