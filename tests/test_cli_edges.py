@@ -1,4 +1,4 @@
-"""Issue 20 at the command line: exports never clobber what is not a regular file and never
+"""Reliability at the command line: exports never clobber what is not a regular file and never
 carry a spreadsheet formula, no password is ever printed, stores that are not ppqa's are
 refused, a read-only store and an endless input get one line, and a second Ctrl-C quits
 without a traceback. One-line refusals of bad input are in test_cli_errors.py."""

@@ -37,7 +37,7 @@ def files(tmp_path):
         "bad_csv": put("bad.csv", "text,id\nA?,1\n"),
         "dup_ids": put("dup.jsonl", '{"question": "A?", "id": 1}\n{"question": "B?", "id": 1}\n'),
         "bad_batch": put("batch.jsonl", '{"document": "D", "questions": ["Q?"]}\n{"document": \n'),
-        # Issue 20: an unterminated quote must not swallow the rows after it.
+        # An unterminated quote must not swallow the rows after it.
         "open_quote": put("open.csv",
                           'id,question\n1,"Unterminated question?\n2,Second?\n3,Third?\n'),
         "nan_jsonl": put("nan.jsonl", '{"question": "A?", "id": NaN}\n'),
@@ -88,7 +88,7 @@ CASES = [
     ("export bad format", "export {dir}/x.xml", r"cannot tell the format"),
     ("export into a dir", "export {dir}", r": is a directory"),
     ("jobs bad status", "jobs --status sleeping", r"unknown status 'sleeping'"),
-    # Issue 20, item 4: a CSV quote never closed.
+    # A CSV quote never closed.
     ("unterminated csv quote", "ingest {doc} {open_quote}",
      r"open\.csv:2: malformed CSV \(a quoted field opened on line 2 is never closed\)"),
     # Item 1: a template that cannot render, numbers out of range.

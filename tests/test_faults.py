@@ -1,4 +1,4 @@
-"""Fault tests, the way trusted queues run them (issue 20): real `ppqa` processes on a real
+"""Fault tests, the way trusted queues run them: real `ppqa` processes on a real
 store, loopback only, each test bounded in time and count.
 
 - kill -9 of a worker at random points of its loop, at least 50 times over one queue (SQLite

@@ -18,7 +18,7 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert tok.bos_token_id == 256 and tok.eos_token_ids == [257]
     # Specials and ids above the byte range (a random model emits them) decode to nothing.
     assert tok.decode([tok.bos_token_id, *ids, 257, 300]) == text
-    # An answer cut inside a multi-byte character drops it (issue 20: no trailing U+FFFD);
+    # An answer cut inside a multi-byte character drops it (no trailing U+FFFD);
     # a byte that is invalid where it stands is still shown as U+FFFD.
     assert tok.decode(list("aé".encode())[:2]) == "a"
     assert tok.decode(list("a€".encode())[:3]) == "a"

@@ -1,5 +1,5 @@
 """One job's bad input fails that job alone, a user template is kept with its job, and a
-cancelled job's questions leave the engine (issue 20, items 1 and 7).
+cancelled job's questions leave the engine.
 
 In process, with the real engine on the tiny random model `dummy:tiny-mha` on the CPU, as in
 test_worker.py. Jobs with input that only fails at run time are written the way they reach a
