@@ -108,6 +108,21 @@ def test_batch_file_problems_are_all_listed_with_their_lines():
     assert "(and 4 more problems)" in str(info.value)
 
 
+
+def test_batch_lines_are_strict_json_split_only_at_line_ends():
+    # U+2028 inside a JSON string is JSON (and not a line end); NaN and a lone surrogate are not.
+    separated = line("s", body(FERRY + "@", "q")).replace("@", "\u2028")
+    (request,) = read_batch_requests(separated, "ok.jsonl")
+    assert request.custom_id == "s"
+    nan = line("a", body(FERRY, "q")).replace('"temperature": 0', '"temperature": NaN')
+    surrogate = line("b", body(FERRY + "@", "q")).replace("@", "\\ud800")
+    with pytest.raises(BatchFileError) as info:
+        read_batch_requests(nan + "\r" + surrogate, "bad.jsonl")
+    errors = {e.line: e.message for e in info.value.errors}
+    assert "bad.jsonl:1: invalid JSON (NaN is not a JSON value)" in errors[1]
+    assert "bad.jsonl:2: invalid JSON (a string holds a lone surrogate" in errors[2]
+
+
 # ---- grouping -------------------------------------------------------------------------------
 
 def test_common_prefix_length():

@@ -1,4 +1,5 @@
-"""`ppqa export FILE`: answers to CSV, JSONL or JSON (`ppqa.files.export`), written atomically."""
+"""`ppqa export FILE`: answers to CSV, JSONL or JSON through `ppqa.files.export` (a regular file
+atomically, a FIFO or device written through)."""
 
 from typing import Annotated
 
@@ -64,7 +65,7 @@ def _export_openai_batch(ctx: typer.Context, file: str, job: list[int] | None,
 
     results = export_results(open_store(ctx), job_ids=job or None, include_all=all_jobs)
     lines = [output_line(r) for r in results]
-    write_export(lines, file, "jsonl")  # one JSON object a line, written atomically
+    write_export(lines, file, "jsonl")  # one JSON object a line
     failed = sum(1 for line in lines if line["error"] is not None)
     where = "stdout" if file == "-" else file
     say(f"wrote {len(lines)} OpenAI Batch output lines ({failed} with an error) to {where}"

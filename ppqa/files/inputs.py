@@ -138,13 +138,19 @@ def _json_lines(text: str, label: str):
             continue
         where = f"{label}:{lineno}"
         try:
-            value = json.loads(line, parse_constant=_not_json, parse_float=_finite_float)
+            value = strict_json(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
         except ValueError as exc:
             raise InputError(f"{where}: invalid JSON ({exc})")
-        _check_strings(value, where)
         yield where, value
+
+
+def strict_json(line: str):
+    """`json.loads`, refusing what is not JSON or not text (see `_json_lines`): ValueError."""
+    value = json.loads(line, parse_constant=_not_json, parse_float=_finite_float)
+    _check_strings(value)
+    return value
 
 
 def _not_json(name: str):
@@ -158,21 +164,21 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _check_strings(value, where: str) -> None:
+def _check_strings(value) -> None:
     """Refuse strings (keys too) that are not valid Unicode text: JSON's \\ud800 escapes."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise InputError(f"{where}: invalid JSON (a string holds a lone surrogate "
-                             "\\u escape, which is not text)") from None
+            raise ValueError("a string holds a lone surrogate \\u escape, which is not "
+                             "text") from None
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_strings(key, where)
-            _check_strings(item, where)
+            _check_strings(key)
+            _check_strings(item)
     elif isinstance(value, list):
         for item in value:
-            _check_strings(item, where)
+            _check_strings(item)
 
 
 def _parse_jsonl(text: str, label: str) -> list[QuestionInput]:

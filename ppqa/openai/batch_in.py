@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ppqa.files.inputs import split_lines, strict_json
 from ppqa.openai.chat_request import RequestError, parse_chat_body
 from ppqa.openai.plan import BatchPlan, PlannedRequest, plan_requests
 from ppqa.openai.prompt_model import PromptModel
@@ -77,7 +78,7 @@ def plan_batch_file(text: str, label: str, model: PromptModel, *, priority: int 
 def read_batch_requests(text: str, label: str, *,
                         endpoint: str = CHAT_ENDPOINT) -> list[PlannedRequest]:
     requests, errors, first_line_of = [], [], {}
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(split_lines(text), start=1):
         if len(errors) >= MAX_ERRORS:
             break
         if not raw.strip():
@@ -96,9 +97,11 @@ def read_batch_requests(text: str, label: str, *,
 def _request(raw: str, number: int, label: str, endpoint: str,
              first_line_of: dict[str, int]) -> PlannedRequest:
     try:
-        obj = json.loads(raw)
+        obj = strict_json(raw)
     except json.JSONDecodeError as exc:
         raise RequestError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # NaN, an endless number, a lone surrogate
+        raise RequestError(f"invalid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object with {', '.join(LINE_KEYS)}")
     unknown = sorted(set(obj) - set(LINE_KEYS))
