@@ -416,7 +416,7 @@ def test_disk_full_during_answer_writes(small_disk, tmp_path, zygote):
     jobs = queue_jobs(str(store), documents=2, jobs_per_document=2, questions=60, budgets=(60,))
     # Room for some answers (and the WAL), not all: the worker writes a step's answers in one
     # transaction, so the answers themselves, not per-answer pages, have to outgrow the disk.
-    filler = _fill(small_disk, 64 * 1024)
+    filler = _fill(small_disk, 160 * 1024)
     env = _env(tmp_path, str(store))
     pid, err = zygote.run(_worker_args("--max-jobs", "1", "--lease-seconds", "1"), env,
                           name="disk-full")
