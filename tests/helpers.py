@@ -106,3 +106,15 @@ def hf_twin(config, weights):
         model.tie_weights()
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model
+
+
+WORKER_MODEL = "dummy:tiny-mha"
+
+
+def make_worker(db, engine, progress=None, **options):
+    """A Worker on `engine` (the tiny CPU model by default) with a 30 s lease; `options`
+    override WorkerOptions fields."""
+    from ppqa.worker.loop import Worker, WorkerOptions
+
+    options = {"model": WORKER_MODEL, "device": "cpu", "lease_seconds": 30, **options}
+    return Worker(db, engine, WorkerOptions(**options), progress)

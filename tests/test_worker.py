@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from ppqa.config import SamplingParams
 from ppqa.store.jobs import cancel_job
 from ppqa.store.models import Answer, Job, Question, Report
-from ppqa.worker.loop import Worker, WorkerOptions
+from ppqa.worker.loop import Worker
+from tests.helpers import make_worker
 from ppqa.worker.report import ProgressSink
 
 MODEL = "dummy:tiny-mha"
@@ -32,11 +33,6 @@ def engine():
     from ppqa.engine.engine import Engine
 
     return Engine(MODEL, device="cpu")
-
-
-def _worker(db, engine, progress=None, **options) -> Worker:
-    options = {"model": MODEL, "device": "cpu", "lease_seconds": 30, **options}
-    return Worker(db, engine, WorkerOptions(**options), progress)
 
 
 def _stored_answers(db, job_id: int) -> list[str]:
@@ -58,7 +54,7 @@ def test_answers_are_the_engines_and_each_job_gets_a_report(sqlite_db, add_job, 
     longer = add_job(sqlite_db, DOC, questions[:2], name="velm", max_new_tokens=9, seed=3)
     other = add_job(sqlite_db, "A second, unrelated document.", ["What is it?"], name="other",
                     max_new_tokens=4)
-    summary = _worker(sqlite_db, engine).run()
+    summary = make_worker(sqlite_db, engine).run()
 
     assert {j: s[0] for j, s in _jobs(sqlite_db).items()} == {short: "done", longer: "done",
                                                                other: "done"}
@@ -95,7 +91,7 @@ def test_a_document_too_long_for_the_model_fails_alone(sqlite_db, add_job, engin
     context = engine.model_config.max_position_embeddings
     too_long = add_job(sqlite_db, "word " * (2 * context), ["Anything?"], name="huge")
     fine = add_job(sqlite_db, DOC, ["How many piers?"], max_new_tokens=4)
-    summary = _worker(sqlite_db, engine, max_attempts=3).run()
+    summary = make_worker(sqlite_db, engine, max_attempts=3).run()
 
     jobs = _jobs(sqlite_db)
     assert jobs[fine][0] == "done"
@@ -119,7 +115,7 @@ def test_stop_saves_answers_and_releases_the_rest(sqlite_db, add_job, engine):
     jobs = [add_job(sqlite_db, DOC, [f"Question {i}.{k}?" for k in range(4)], name="velm",
                     max_new_tokens=12, seed=i) for i in range(4)]
     sink = _StopAfterFirstAnswer()
-    worker = _worker(sqlite_db, engine, sink, max_jobs=2)
+    worker = make_worker(sqlite_db, engine, sink, max_jobs=2)
     sink.worker = worker
     summary = worker.run()
 
@@ -133,7 +129,7 @@ def test_stop_saves_answers_and_releases_the_rest(sqlite_db, add_job, engine):
         owners = conn.execute(select(Job.lease_owner).where(Job.lease_owner.is_not(None))).all()
     assert saved == sink.answers == summary.questions and owners == []
 
-    _worker(sqlite_db, engine).run()  # another worker finishes the rest, keeping what was saved
+    make_worker(sqlite_db, engine).run()  # another worker finishes the rest, keeping what was saved
     assert {s[0] for s in _jobs(sqlite_db).values()} == {"done"}
     with sqlite_db.read() as conn:
         assert conn.execute(select(func.count(Answer.id))).scalar_one() == 16
@@ -151,7 +147,7 @@ class _CancelOnFirstAnswer(ProgressSink):
 
 def test_a_job_cancelled_while_running_stays_cancelled(sqlite_db, add_job, engine):
     job = add_job(sqlite_db, DOC, [f"Question {k}?" for k in range(6)], max_new_tokens=8)
-    summary = _worker(sqlite_db, engine, _CancelOnFirstAnswer(sqlite_db, job)).run()
+    summary = make_worker(sqlite_db, engine, _CancelOnFirstAnswer(sqlite_db, job)).run()
     assert _jobs(sqlite_db)[job][0] == "cancelled"
     assert summary.count("done") == 0
 
@@ -214,7 +210,7 @@ def test_after_an_engine_failure_the_next_batches_are_smaller(sqlite_db, add_job
         add_job(sqlite_db, DOC, [f"Q{i}a?", f"Q{i}b?"], max_new_tokens=3, seed=i)
     engine = SmallDeviceEngine(MODEL, device="cpu")
     engine.sizes = []
-    summary = _worker(sqlite_db, engine, max_jobs=4, max_attempts=10).run()
+    summary = make_worker(sqlite_db, engine, max_jobs=4, max_attempts=10).run()
 
     assert engine.sizes[:2] == [8, 4]  # halved after each failure until the work fits
     assert {s[0] for s in _jobs(sqlite_db).values()} == {"done"}

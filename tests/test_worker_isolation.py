@@ -18,7 +18,7 @@ from ppqa.store.errors import InputError
 from ppqa.store.jobs import IngestRequest, cancel_job, ingest
 from ppqa.store.models import Answer, Job, Question
 from ppqa.store.params import GenerationParams
-from ppqa.worker.loop import Worker, WorkerOptions
+from tests.helpers import make_worker
 from ppqa.worker.report import ProgressSink
 
 MODEL = "dummy:tiny-mha"
@@ -35,11 +35,6 @@ def engine():
     from ppqa.engine.engine import Engine
 
     return Engine(MODEL, device="cpu")
-
-
-def _worker(db, engine, progress=None, **options) -> Worker:
-    options = {"model": MODEL, "device": "cpu", "lease_seconds": 30, **options}
-    return Worker(db, engine, WorkerOptions(**options), progress)
 
 
 def _jobs(db) -> dict[int, tuple]:
@@ -74,7 +69,7 @@ def test_bad_jobs_fail_alone_and_the_worker_goes_on(sqlite_db, engine, tmp_path)
     with sqlite_db.write() as conn:  # a seed a past ppqa accepted at ingest
         params = {**GenerationParams(max_new_tokens=4).to_dict(), "seed": 99999999999999999999999}
         conn.execute(update(Job).where(Job.id == bad_seed).values(params=params))
-    summary = _worker(sqlite_db, engine, max_attempts=3, follow=False).run()
+    summary = make_worker(sqlite_db, engine, max_attempts=3, follow=False).run()
 
     jobs = _jobs(sqlite_db)
     assert jobs[good][0] == jobs[good_too][0] == "done"
@@ -109,7 +104,7 @@ def test_a_user_template_is_kept_with_its_job(sqlite_db, engine, tmp_path):
     job = ingest(sqlite_db, [_request(DOC, ["How many piers?"], path)])[0].job_id
     path.write_text("{% block prefix %}changed{% endblock %}")  # edited, then deleted
     path.unlink()
-    _worker(sqlite_db, engine).run()
+    make_worker(sqlite_db, engine).run()
 
     assert _jobs(sqlite_db)[job][0] == "done"
     with sqlite_db.read() as conn:
@@ -170,7 +165,7 @@ def test_a_cancelled_jobs_questions_leave_the_engine(sqlite_db, add_job, engine)
                         max_new_tokens=1500, mode="stock")
     other = add_job(sqlite_db, DOC, ["Another?"], max_new_tokens=4, mode="stock")
     # A heartbeat every 0.05 s, so the cancel is seen within a few decode steps.
-    summary = _worker(sqlite_db, recording, _CancelOnFirstAnswer(sqlite_db, cancelled),
+    summary = make_worker(sqlite_db, recording, _CancelOnFirstAnswer(sqlite_db, cancelled),
                       lease_seconds=0.15).run()
 
     stats = recording.last_session.stats

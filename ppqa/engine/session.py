@@ -110,9 +110,7 @@ class EngineSession:
             for req in self._requests(doc_ids, group, chosen, width):
                 self.sched.add(req)
             accepted += len(group)
-        self.stats.mode = self._modes.pop() if len(self._modes) == 1 else "mixed"
-        if self.stats.mode != "mixed":
-            self._modes.add(self.stats.mode)
+        self.stats.mode = next(iter(self._modes)) if len(self._modes) == 1 else "mixed"
         return accepted
 
     def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
@@ -333,6 +331,8 @@ class EngineSession:
             self._last_read = now
         finished = self.sched.postprocess(step, tokens, eos_ids=self._eos,
                                           decode=self.engine.tokenizer.decode, now=now)
+        if not finished:
+            return
         modes = {id(s): (r.mode, r.width) for r in step.requests for s in r.streams}
         for stream in finished:
             mode, width = modes.get(id(stream), ("stock", 1))

@@ -163,8 +163,12 @@ class Worker:
 
     # ---- claiming ----------------------------------------------------------------------------
 
+    def _outstanding(self) -> int:
+        """Questions in flight: claimed, neither answered nor rejected yet."""
+        return sum(len(r.outstanding) for r in self._runs.values())
+
     def _has_room(self) -> bool:
-        outstanding = sum(len(r.outstanding) for r in self._runs.values())
+        outstanding = self._outstanding()
         backlog = self._session.queued_requests < self.engine.config.max_batch_requests
         return len(self._runs) < self.max_jobs and outstanding < self.max_questions and backlog
 
@@ -176,7 +180,7 @@ class Worker:
             return False
         opts, got_any = self.options, False
         while not self.stopping and self._has_room():
-            outstanding = sum(len(r.outstanding) for r in self._runs.values())
+            outstanding = self._outstanding()
             try:
                 claims = queue.claim_jobs(
                     self.db, opts.worker_id, opts.lease_seconds,
