@@ -1,0 +1,83 @@
+"""Where a worker's start-up goes: imports, the device, weights, the KV pool, warm-up.
+
+Times each phase of what `ppqa run` does before its first claim, in one process, then profiles
+`Engine(...)` and `Engine.warmup()` with cProfile (the functions with the most cumulative time).
+Run it twice, once with an empty Triton cache (TRITON_CACHE_DIR=$(mktemp -d)), to see what
+compiling costs.
+
+    python3 benchmarks/startup_profile.py --model dummy:codellama-7b+bpe --out startup.json
+"""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import pstats  # noqa: E402
+
+
+def top(profile: cProfile.Profile, n: int = 25) -> list[str]:
+    buf = io.StringIO()
+    pstats.Stats(profile, stream=buf).sort_stats("cumulative").print_stats(n)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-n:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="dummy:codellama-7b+bpe")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="startup.json")
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+    phases = {}
+    t = time.perf_counter()
+    import torch
+
+    phases["import_torch_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    from ppqa.engine.engine import Engine  # noqa: F401
+    from ppqa.config import EngineConfig
+
+    phases["import_ppqa_engine_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if args.device.startswith("cuda"):
+        torch.zeros(1, device=args.device).add_(1).item()
+    phases["device_init_s"] = time.perf_counter() - t
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    if not args.no_profile:
+        prof.enable()
+    engine = Engine(args.model, device=args.device, config=EngineConfig())
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    prof.disable()
+    phases["engine_build_s"] = time.perf_counter() - t
+    build_top = top(prof) if not args.no_profile else []
+    prof2 = cProfile.Profile()
+    t = time.perf_counter()
+    if not args.no_profile:
+        prof2.enable()
+    engine.warmup()
+    prof2.disable()
+    phases["warmup_s"] = time.perf_counter() - t
+    warm_top = top(prof2) if not args.no_profile else []
+    phases["process_to_ready_s"] = time.perf_counter() - T0
+    phases["graphs"] = engine.captured_graphs
+    phases["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR", "default")
+    print(json.dumps(phases, indent=1))
+    print("--- Engine() by cumulative time")
+    print("\n".join(build_top))
+    print("--- warmup() by cumulative time")
+    print("\n".join(warm_top))
+    with open(args.out, "w") as f:
+        json.dump({"phases": phases, "build_top": build_top, "warmup_top": warm_top}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
