@@ -236,7 +236,7 @@ def attention_alone(engine: Engine, doc_tokens: int, chunk: int) -> dict:
         ms = bench_ms(ours)
         out["ours_extend"] = {"ms": ms, "tflops": flops / ms / 1e9, "splits": splits}
         run = bool((slots.diff() == 1).all())
-        if run and start > 0:
+        if run:
             hint = (torch.tensor([int(slots[0])], **i32), torch.tensor([start], **i32))
             splits_c = extend_splits(dev, dt, 1, n, h, hk, d, n, start, backend.scratch, True)
 

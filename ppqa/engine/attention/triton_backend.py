@@ -79,7 +79,8 @@ class TritonBackend:
         if meta.kind == "extend":
             return StepPlan(extend_splits(self.device, self.dtype, meta.batch_size,
                                           meta.num_tokens, *heads, meta.max_extend_len,
-                                          meta.max_prefix_len, self.scratch))
+                                          meta.max_prefix_len, self.scratch,
+                                          contiguous=meta.doc_start is not None))
         # A decode row ends at prefix_len + 1; for cascade that bounds the suffix as well.
         # A cascade step with stock requests in it (document hints present) has whole rows too.
         whole = meta.cascade is None or meta.doc_start is not None

@@ -225,11 +225,17 @@ class Scheduler:
             doc.ready = True
         else:
             self._doc_next[id(doc)] = end
+        # The document hint covers what earlier chunks cached: [0, start) of a one-run document
+        # is read with affine addresses, and the kernel takes its prefill tiles (a 16k-token
+        # document's attention ran 3.5x faster so: benchmarks/RESULTS.md, 'Prefill').
+        contiguous = doc.start >= 0
         return StepInputs(kind="extend", input_ids=ids, layout=document_layout(start, end),
                           qo_indptr=torch.tensor([0, end - start]), req_rows=torch.tensor([row]),
                           kv_start=torch.zeros(1, dtype=torch.int64),
                           prefix_lens=torch.tensor([start]),
-                          logit_indices=torch.empty(0, dtype=torch.int64))
+                          logit_indices=torch.empty(0, dtype=torch.int64),
+                          doc_start=torch.tensor([max(doc.start, 0)]),
+                          doc_len=torch.tensor([start if contiguous else 0]))
 
     def questions_ready(self) -> list[Request]:
         """Prefilling requests whose document is ready, up to max_prefill_tokens question

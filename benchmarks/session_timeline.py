@@ -1,0 +1,145 @@
+"""Where an engine session's wall time goes on a workload of many documents (no store, no worker).
+
+Submits every job of an e2e workload (`ppqa/bench/workloads.py`) to one `EngineSession` at once,
+as the worker would over time, and steps it to the end, timing each iteration's phases: the
+prefill (document chunks and question prefill, host wall including its synchronisation) and the
+decode (launch, and the read-back of the step before). It counts decode steps by kind and batch
+size, which of them replayed a CUDA graph and which ran eagerly, and the Triton compilations
+(and their seconds) that happened inside the run. Against the run's floors, this says how much
+of `ppqa run`'s time is the engine's own loop.
+
+    python3 benchmarks/session_timeline.py --workload paper --mode auto --out timeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter, defaultdict
+
+import torch
+
+from ppqa import Engine, QuestionRequest, SamplingParams
+from ppqa.bench.workloads import get_workload, make_jobs
+from ppqa.engine.runtime.graph_runner import GraphCache
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: Counter = Counter()
+
+
+def wrap(owner, name: str, tally: Tally, label: str, on_result=None):
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        tally.seconds[label] += time.perf_counter() - t0
+        tally.calls[label] += 1
+        if on_result is not None:
+            on_result(args, out)
+        return out
+
+    setattr(owner, name, timed)
+    return original
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="paper")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--max-docs", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="timeline.json")
+    args = ap.parse_args()
+    workload = get_workload(args.workload)
+    engine = Engine(args.model or workload.model, device=args.device)
+    warm_s = engine.warmup()
+    jobs = make_jobs(workload, engine.tokenizer, args.max_docs)
+    requests = []
+    for job in jobs.jobs:
+        sampling = SamplingParams(max_new_tokens=job.max_new_tokens, ignore_eos=True)
+        requests += [QuestionRequest((job.name, qid), jobs.documents[job.document], q, sampling,
+                                     template=job.template) for qid, q in job.questions]
+
+    tally = Tally()
+    graph_use: Counter = Counter()
+
+    def graph_result(call_args, out):
+        graph_use["replayed" if out is not None else "eager"] += 1
+
+    wrap(GraphCache, "run", tally, "graph_run", graph_result)
+    compiles = {"count": 0, "seconds": 0.0}
+    try:
+        from triton.runtime.jit import JITFunction
+
+        original_compile = JITFunction._do_compile
+
+        def counted_compile(self, *a, **k):
+            t0 = time.perf_counter()
+            out = original_compile(self, *a, **k)
+            compiles["count"] += 1
+            compiles["seconds"] += time.perf_counter() - t0
+            return out
+
+        JITFunction._do_compile = counted_compile
+    except ImportError:
+        pass
+
+    answers = []
+    session = engine.session(on_answer=lambda req, ans: answers.append(time.perf_counter()))
+    wrap(session, "_prefill", tally, "prefill")
+    wrap(session, "_decode", tally, "decode")
+    batch_sizes: Counter = Counter()
+    sched = session.sched
+    original_decode_step = sched.decode_step
+
+    def decode_step(batch, **kw):
+        step = original_decode_step(batch, **kw)
+        kinds = "+".join(sorted({r.mode for r in batch}))
+        batch_sizes[f"{kinds}:{len(batch)}"] += 1
+        return step
+
+    sched.decode_step = decode_step
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    session.submit(requests, mode=args.mode)
+    submit_s = time.perf_counter() - t0
+    iterations = 0
+    while session.has_work():
+        session.step()
+        iterations += 1
+    session.flush()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    stats = session.close()
+    top_batches = batch_sizes.most_common(12)
+    result = {
+        "workload": args.workload, "model": engine.model_name, "mode": args.mode,
+        "questions": len(requests), "documents": len(jobs.documents), "warmup_s": warm_s,
+        "wall_s": wall, "submit_s": submit_s, "iterations": iterations,
+        "phase_s": dict(tally.seconds), "phase_calls": dict(tally.calls),
+        "graph_use": dict(graph_use), "decode_steps_by_batch": dict(batch_sizes),
+        "triton_compiles": compiles, "stats": {k: v for k, v in vars(stats).items()},
+        "captured_graphs": engine.captured_graphs,
+        "first_answer_s": (answers[0] - t0) if answers else None,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{args.workload} {args.mode}: wall {wall:.2f} s, submit {submit_s:.2f} s, "
+          f"{iterations} iterations; prefill {tally.seconds['prefill']:.2f} s, decode "
+          f"{tally.seconds['decode']:.2f} s; graph steps {dict(graph_use)}; Triton compiles "
+          f"{compiles['count']} ({compiles['seconds']:.1f} s); engine prefill_s "
+          f"{stats.prefill_s:.2f} decode_s {stats.decode_s:.2f} steps {stats.steps} "
+          f"max batch {stats.max_batch_requests}")
+    print("decode steps by batch:", top_batches)
+
+
+if __name__ == "__main__":
+    main()
