@@ -14,6 +14,7 @@ of `ppqa run`'s time is the engine's own loop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import Counter, defaultdict
@@ -31,12 +32,16 @@ class Tally:
         self.calls: Counter = Counter()
 
 
-def wrap(owner, name: str, tally: Tally, label: str, on_result=None):
+def wrap(owner, name: str, tally: Tally, label: str, on_result=None, phase=None):
     original = getattr(owner, name)
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
+        if phase is not None:
+            phase["now"] = label
         out = original(*args, **kwargs)
+        if phase is not None:
+            phase["now"] = "other"
         tally.seconds[label] += time.perf_counter() - t0
         tally.calls[label] += 1
         if on_result is not None:
@@ -47,53 +52,27 @@ def wrap(owner, name: str, tally: Tally, label: str, on_result=None):
     return original
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="paper")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--mode", default="auto")
-    ap.add_argument("--max-docs", type=int, default=None)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default="timeline.json")
-    args = ap.parse_args()
-    workload = get_workload(args.workload)
-    engine = Engine(args.model or workload.model, device=args.device)
-    warm_s = engine.warmup()
-    jobs = make_jobs(workload, engine.tokenizer, args.max_docs)
+def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: dict,
+             compiles: dict) -> dict:
+    """One session over the whole workload (drawn from workload.seed), stepped to the end."""
+    jobs = make_jobs(workload, engine.tokenizer, max_docs)
     requests = []
     for job in jobs.jobs:
         sampling = SamplingParams(max_new_tokens=job.max_new_tokens, ignore_eos=True)
         requests += [QuestionRequest((job.name, qid), jobs.documents[job.document], q, sampling,
                                      template=job.template) for qid, q in job.questions]
-
     tally = Tally()
     graph_use: Counter = Counter()
 
     def graph_result(call_args, out):
         graph_use["replayed" if out is not None else "eager"] += 1
 
-    wrap(GraphCache, "run", tally, "graph_run", graph_result)
-    compiles = {"count": 0, "seconds": 0.0}
-    try:
-        from triton.runtime.jit import JITFunction
-
-        original_compile = JITFunction._do_compile
-
-        def counted_compile(self, *a, **k):
-            t0 = time.perf_counter()
-            out = original_compile(self, *a, **k)
-            compiles["count"] += 1
-            compiles["seconds"] += time.perf_counter() - t0
-            return out
-
-        JITFunction._do_compile = counted_compile
-    except ImportError:
-        pass
-
+    restore = wrap(GraphCache, "run", tally, "graph_run", graph_result)
+    compiled_before = (compiles["count"], compiles["seconds"])
     answers = []
     session = engine.session(on_answer=lambda req, ans: answers.append(time.perf_counter()))
-    wrap(session, "_prefill", tally, "prefill")
-    wrap(session, "_decode", tally, "decode")
+    wrap(session, "_prefill", tally, "prefill", phase=phase)
+    wrap(session, "_decode", tally, "decode", phase=phase)
     batch_sizes: Counter = Counter()
     sched = session.sched
     original_decode_step = sched.decode_step
@@ -108,7 +87,7 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    session.submit(requests, mode=args.mode)
+    session.submit(requests, mode=mode)
     submit_s = time.perf_counter() - t0
     iterations = 0
     while session.has_work():
@@ -119,26 +98,76 @@ def main() -> None:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     stats = session.close()
-    top_batches = batch_sizes.most_common(12)
-    result = {
-        "workload": args.workload, "model": engine.model_name, "mode": args.mode,
-        "questions": len(requests), "documents": len(jobs.documents), "warmup_s": warm_s,
+    GraphCache.run = restore
+    return {
+        "seed": workload.seed, "questions": len(requests), "documents": len(jobs.documents),
         "wall_s": wall, "submit_s": submit_s, "iterations": iterations,
         "phase_s": dict(tally.seconds), "phase_calls": dict(tally.calls),
         "graph_use": dict(graph_use), "decode_steps_by_batch": dict(batch_sizes),
-        "triton_compiles": compiles, "stats": {k: v for k, v in vars(stats).items()},
+        "compiles": compiles["count"] - compiled_before[0],
+        "compile_s": compiles["seconds"] - compiled_before[1],
+        "stats": {k: v for k, v in vars(stats).items()},
         "captured_graphs": engine.captured_graphs,
         "first_answer_s": (answers[0] - t0) if answers else None,
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"{args.workload} {args.mode}: wall {wall:.2f} s, submit {submit_s:.2f} s, "
-          f"{iterations} iterations; prefill {tally.seconds['prefill']:.2f} s, decode "
-          f"{tally.seconds['decode']:.2f} s; graph steps {dict(graph_use)}; Triton compiles "
-          f"{compiles['count']} ({compiles['seconds']:.1f} s); engine prefill_s "
-          f"{stats.prefill_s:.2f} decode_s {stats.decode_s:.2f} steps {stats.steps} "
-          f"max batch {stats.max_batch_requests}")
-    print("decode steps by batch:", top_batches)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="paper")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--max-docs", type=int, default=None)
+    ap.add_argument("--passes", type=int, default=1,
+                    help="passes over fresh documents (seed + pass): later passes show the "
+                         "steady state, kernels compiled and graphs captured")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="timeline.json")
+    args = ap.parse_args()
+    workload = get_workload(args.workload)
+    engine = Engine(args.model or workload.model, device=args.device)
+    warm_s = engine.warmup()
+    compiles = {"count": 0, "seconds": 0.0, "by_phase_s": defaultdict(float), "kernels": []}
+    phase = {"now": "other"}
+    try:
+        from triton.runtime.jit import JITFunction
+
+        original_compile = JITFunction._do_compile
+
+        def counted_compile(self, *a, **k):
+            t0 = time.perf_counter()
+            out = original_compile(self, *a, **k)
+            seconds = time.perf_counter() - t0
+            compiles["count"] += 1
+            compiles["seconds"] += seconds
+            compiles["by_phase_s"][phase["now"]] += seconds
+            compiles["kernels"].append([phase["now"], getattr(self, "__name__", str(self)),
+                                        round(seconds, 3), str(a[3])[:300]])
+            return out
+
+        JITFunction._do_compile = counted_compile
+    except ImportError:
+        pass
+    result = {"workload": args.workload, "model": engine.model_name, "mode": args.mode,
+              "warmup_s": warm_s, "passes": []}
+    for p in range(args.passes):
+        run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p), args.mode,
+                       args.max_docs, phase, compiles)
+        result["passes"].append(run)
+        result["compiles"] = compiles
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        stats = run["stats"]
+        print(f"{args.workload} {args.mode} pass {p}: wall {run['wall_s']:.2f} s, "
+              f"{run['iterations']} iterations; prefill {run['phase_s'].get('prefill', 0):.2f} s, "
+              f"decode {run['phase_s'].get('decode', 0):.2f} s; graph steps {run['graph_use']}; "
+              f"Triton compiles {run['compiles']} ({run['compile_s']:.1f} s); first answer "
+              f"{run['first_answer_s']:.2f} s; steps {stats['steps']}, max batch "
+              f"{stats['max_batch_requests']}", flush=True)
+        print("  decode steps by batch:", Counter(run["decode_steps_by_batch"]).most_common(8))
+    print("compiles by phase:", dict(compiles["by_phase_s"]))
+    for phase_name, name, seconds, key in compiles["kernels"][:30]:
+        print(f"  {phase_name:8s} {name:28s} {seconds:6.2f} s  {key[:110]}")
 
 
 if __name__ == "__main__":
