@@ -142,26 +142,34 @@ class Engine:
         return stats
 
     def warmup(self) -> float:
-        """Compile the kernels and capture the decode graphs that every session starts with,
-        on a short synthetic document in each mode, so that a user's first batch pays for none
-        of it. Returns the seconds it took. The synthetic document stays cached only until its
-        KV is needed."""
+        """Compile the kernels and capture the decode graphs that sessions meet, so that a
+        user's first batch pays for none of it; returns the seconds it took. Synthetic work:
+        a document one chunk longer than `max_prefill_tokens` (its second chunk reads the
+        first through the document hint) with a full step of questions (`max_batch_requests`)
+        by cascade, the same count by stock on a short document (the full-batch decode graphs
+        and the large question prefill), a few questions in every mode (the small batches a
+        draining step passes through) and a step holding stock and cascade requests together.
+        Each decode shape runs three steps, the use on which it is captured. The synthetic
+        documents stay cached only until their KV is needed."""
         import time
 
         began = time.perf_counter()
-        words = "the harbor opened early and the ferry left at noon on every day of the week "
-        document = (words * (1 + 600 // len(words)))[:600]
-        questions = [f"What happened on day {i}?" for i in range(8)]
         sampling = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        many = [f"What happened on day {i}?" for i in range(self.config.max_batch_requests)]
+        few = many[:8]
+        short = _synthetic_text(self.tokenizer, 150)
+        long = _synthetic_text(self.tokenizer, self.config.max_prefill_tokens + 64)
+        if self.fit_error(len(self.tokenizer.encode(long)) + 64, 16, 4) is None:
+            self.answer(long, many, mode="cascade", sampling=sampling)
+        self.answer(short, many, mode="stock", sampling=sampling)
         for mode in ("stock", "cascade", "parallel"):
-            self.answer(document, questions, mode=mode, sampling=sampling,
+            self.answer(short, few, mode=mode, sampling=sampling,
                         streams=4 if mode == "parallel" else None)
-        # And a step that holds stock and cascade requests together.
         session = self.session()
-        session.submit([QuestionRequest(i, document, q, sampling) for i, q in enumerate(questions)],
+        session.submit([QuestionRequest(i, short, q, sampling) for i, q in enumerate(few)],
                        mode="cascade")
-        session.submit([QuestionRequest(i, document[::-1], q, sampling)
-                        for i, q in enumerate(questions)], mode="stock")
+        session.submit([QuestionRequest(i, short[::-1], q, sampling) for i, q in enumerate(few)],
+                       mode="stock")
         session.drain()
         session.close()
         return time.perf_counter() - began
@@ -187,3 +195,10 @@ class Engine:
                 f"raise EngineConfig.kv_token_budget (CPU) or mem_fraction (GPU)",
                 needed=need, available=self.kv_capacity)
         return None
+
+
+def _synthetic_text(tokenizer, tokens: int) -> str:
+    """Plain prose of about `tokens` tokens of `tokenizer` (warm-up documents)."""
+    words = "the harbor opened early and the ferry left at noon on every day of the week "
+    per_copy = max(len(tokenizer.encode(words)), 1)
+    return words * max(tokens // per_copy, 1)

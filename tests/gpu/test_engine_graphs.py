@@ -34,3 +34,21 @@ def test_graph_replay_matches_eager_in_every_mode(model):
         assert got[True] == got[False], mode
     # Shapes used often were captured (buckets and batch sizes); passing ones ran eagerly.
     assert engines[True].captured_graphs >= 4
+
+
+def test_warmup_captures_the_full_batch_graphs_before_any_work():
+    """After `warmup`, a full step of cascade questions on a document longer than one prefill
+    chunk, and the same count by stock, capture no new graph: their shapes were ready."""
+    config = EngineConfig(mem_fraction=0.05, max_batch_requests=32, max_prefill_tokens=512)
+    eng = Engine("dummy:tiny-gqa", device="cuda", config=config)
+    eng.warmup()
+    captured = eng.captured_graphs
+    assert captured > 0
+    words = "a ship came in from the north with salt and a letter for the mayor "
+    document = words * 60  # longer than one 512-token chunk of the byte tokenizer
+    questions = [f"What did the letter say about item {i}?" for i in range(32)]
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    cascade = eng.answer(document, questions, mode="cascade", sampling=sampling)
+    stock = eng.answer(document[::-1], questions, mode="stock", sampling=sampling)
+    assert all(len(a.token_ids) == 6 for a in cascade + stock)
+    assert eng.captured_graphs == captured
