@@ -89,6 +89,10 @@ class ForwardMetadata:
     # [B] int64 on the host: prefix_lens as the scheduler built them, for a backend that plans
     # on the host (FlashInfer); kernels read the device tensors.
     host_prefix_lens: torch.Tensor | None = None
+    # Host bool: one request, every new token a document token (stream -1), nothing cached
+    # before them (a document's first prefill chunk). The stream rule is then plain causal
+    # attention over the step's tokens, which a backend may hand to a fused causal kernel.
+    plain_causal: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -64,6 +64,9 @@ class TritonBackend:
             scratch_bytes = GPU_SCRATCH_BYTES if self.device.type == "cuda" else CPU_SCRATCH_BYTES
         self.scratch = PartialScratch(scratch_bytes // 4, self.device)
         self._meta: ForwardMetadata | None = None
+        # The fused causal backend that took a document's first chunk: None until tried,
+        # () when none does (see _fused_causal).
+        self._causal_backends: tuple | None = None
         self._plan = StepPlan(1)
         # High priority: the block scheduler then places the document product's few long CTAs
         # before the suffix's many short ones, which fill the room left beside them.
@@ -107,6 +110,8 @@ class TritonBackend:
             self.init_forward_metadata(meta)
         plan = self._plan
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.plain_causal and self._fused_causal(q, k, v, o):
+            return o
         if meta.kind == "extend" and meta.cascade is not None:
             self._cascade_extend(q, k, v, o, k_buf, v_buf, meta, plan)
         elif meta.kind == "extend":
@@ -123,6 +128,34 @@ class TritonBackend:
         else:
             self._cascade(q, o, k_buf, v_buf, meta, plan)
         return o
+
+    def _fused_causal(self, q, k, v, o) -> bool:
+        """A document's first chunk through torch's fused causal attention (cuDNN, else
+        FlashAttention), exact attention at the matrix units' rate: 530 TFLOP/s on an 8k
+        causal square where the extend kernel runs this shape at 160-170
+        (benchmarks/RESULTS.md, 'Prefill'). bf16/fp16 on a GPU only; False when it does not
+        apply or no fused backend takes the shape, and the extend kernel runs instead."""
+        if self._causal_backends == () or q.dtype not in (torch.bfloat16, torch.float16) \
+                or q.device.type != "cuda":
+            return False
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
+        gqa = qh.shape[1] != kh.shape[1]
+        candidates = self._causal_backends or (SDPBackend.CUDNN_ATTENTION,
+                                                SDPBackend.FLASH_ATTENTION)
+        for backend in candidates:
+            try:
+                with sdpa_kernel(backend):
+                    out = torch.nn.functional.scaled_dot_product_attention(
+                        qh, kh, vh, is_causal=True, scale=self.sm_scale, enable_gqa=gqa)
+            except RuntimeError:
+                continue
+            self._causal_backends = (backend,)
+            o.copy_(out[0].transpose(0, 1))
+            return True
+        self._causal_backends = ()
+        return False
 
     @staticmethod
     def _doc_starts(casc) -> torch.Tensor | None:

@@ -46,6 +46,9 @@ class StepInputs:
     input_src: torch.Tensor | None = None
     doc_start: torch.Tensor | None = None  # [B] int64, see ForwardMetadata
     doc_len: torch.Tensor | None = None  # [B] int64
+    # One request whose new tokens are all document tokens with nothing cached before them:
+    # attention is plain causal over the step's own tokens (ForwardMetadata.plain_causal).
+    plain_causal: bool = False
 
     def __post_init__(self) -> None:
         tokens, batch = self.input_ids.shape[0], self.req_rows.shape[0]
@@ -136,7 +139,7 @@ class ModelRunner:
             max_extend_len=int(extend_lens.max()) if batch else 0,
             max_prefix_len=int(step.prefix_lens.max()) if batch else 0,
             cascade=cascade_meta, doc_start=doc_start, doc_len=doc_len,
-            host_prefix_lens=step.prefix_lens)
+            host_prefix_lens=step.prefix_lens, plain_causal=step.plain_causal)
         init = getattr(self.backend, "init_forward_metadata", None)
         if init is not None:
             init(meta)

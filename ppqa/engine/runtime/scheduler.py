@@ -235,7 +235,8 @@ class Scheduler:
                           prefix_lens=torch.tensor([start]),
                           logit_indices=torch.empty(0, dtype=torch.int64),
                           doc_start=torch.tensor([max(doc.start, 0)]),
-                          doc_len=torch.tensor([start if contiguous else 0]))
+                          doc_len=torch.tensor([start if contiguous else 0]),
+                          plain_causal=start == 0)
 
     def questions_ready(self) -> list[Request]:
         """Prefilling requests whose document is ready, up to max_prefill_tokens question
