@@ -5,7 +5,8 @@ Per step (`init_forward_metadata`, called by the runner once; `forward` also not
 batch shape, the metadata's maxima and the SM count. Per layer, `forward`:
   1. scatters the step's K/V into the layer's pool buffers (`store_kv`);
   2. "extend" (prefill, question prefill, every `parallel` decode step): `extend_attention`
-     with the stream rule from meta.q_sid and pool.slot_sid;
+     with the stream rule from meta.q_sid and pool.slot_sid; a document's first chunk
+     (`meta.plain_causal`) in bf16/fp16 through torch's fused causal attention instead;
      "decode" (stock): `decode_attention` over row[kv_start, prefix_len + 1);
      "decode" with meta.cascade: the suffix row[doc_len, prefix_len + 1) per request
      (decode kernel) and the group's document (shared-prefix kernel) each write partial states
