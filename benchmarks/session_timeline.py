@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 import torch
 
 from ppqa import Engine, QuestionRequest, SamplingParams
+from ppqa.config import EngineConfig
 from ppqa.bench.workloads import get_workload, make_jobs
 from ppqa.engine.runtime.graph_runner import GraphCache
 
@@ -121,11 +122,14 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=1,
                     help="passes over fresh documents (seed + pass): later passes show the "
                          "steady state, kernels compiled and graphs captured")
+    ap.add_argument("--max-batch-requests", type=int, default=None,
+                    help="EngineConfig.max_batch_requests (requests decoded together)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="timeline.json")
     args = ap.parse_args()
     workload = get_workload(args.workload)
-    engine = Engine(args.model or workload.model, device=args.device)
+    fields = {} if args.max_batch_requests is None else {"max_batch_requests": args.max_batch_requests}
+    engine = Engine(args.model or workload.model, device=args.device, config=EngineConfig(**fields))
     warm_s = engine.warmup()
     compiles = {"count": 0, "seconds": 0.0, "by_phase_s": defaultdict(float), "kernels": []}
     phase = {"now": "other"}
@@ -149,7 +153,8 @@ def main() -> None:
     except ImportError:
         pass
     result = {"workload": args.workload, "model": engine.model_name, "mode": args.mode,
-              "warmup_s": warm_s, "passes": []}
+              "max_batch_requests": engine.config.max_batch_requests, "warmup_s": warm_s,
+              "passes": []}
     for p in range(args.passes):
         run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p), args.mode,
                        args.max_docs, phase, compiles)
