@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call for the product as users run it: start-up on an empty and on a warm Triton
+# cache, the GPU tests, the prefill profile, the engine session on the paper mix at two batch
+# ceilings, e2e workloads (stock against auto, one pass), and one OpenAI Batch file through
+# ppqa serve against ingest/run. Each step has its own time limit; logs and JSON go to $OUT.
+# Run on a fresh machine (its Triton cache is empty), from the repo root, with `.whl` (the
+# wheels the device lacks) and `.carry` (PPQA_HOME with the saved BPE tokenizer) carried.
+# STEPS="startup pytest ..." runs a subset, in that order.
+set -u
+OUT=${OUT:-/tmp/ppqa-device-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PPQA_HOME=$PWD/.carry/home PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+
+step() {  # step NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, a short tail here
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - t0)) s"
+  grep -v -i -E "warn|return F\.|return torch\.|^\s*$" "$OUT/$name.log" | tail -n "${TAIL:-6}"
+}
+
+e2e() {  # e2e WORKLOAD LIMIT [bench args]
+  local w=$1 limit=$2
+  shift 2
+  step "e2e_$w" "$limit" python3 -m ppqa bench --e2e "$w" --modes stock,auto --passes 1 \
+    --out "$OUT/e2e_$w.json" "$@"
+}
+
+for s in ${STEPS:-startup pytest prefill timeline quality loogle serve}; do
+  case $s in
+    startup)
+      step startup_cold 120 python3 benchmarks/startup_profile.py --no-profile --out "$OUT/startup_cold.json"
+      step startup_warm 90 python3 benchmarks/startup_profile.py --no-profile --out "$OUT/startup_warm.json" ;;
+    pytest)
+      step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py ;;
+    prefill)
+      step prefill 150 python3 benchmarks/profile_prefill.py --doc-tokens 8192,16384,20480 \
+        --questions 64 --question-tokens 20 --alone --out "$OUT/prefill.json" ;;
+    timeline)
+      step timeline256 90 python3 benchmarks/session_timeline.py --workload paper --out "$OUT/timeline256.json"
+      step timeline512 90 python3 benchmarks/session_timeline.py --workload paper --max-batch-requests 512 \
+        --out "$OUT/timeline512.json" ;;
+    quality) e2e quality 150 --max-docs 30 ;;
+    loogle) e2e loogle 170 --max-docs 12 ;;
+    paper) e2e paper 200 --max-docs 1 ;;
+    labeling) e2e labeling 150 --max-docs 50 ;;
+    serve)
+      step serve 150 python3 benchmarks/serve_vs_run.py --workload labeling --max-docs 25 --passes 1 \
+        --gpu 0 --out "$OUT/serve_vs_run.json" ;;
+  esac
+done
