@@ -83,7 +83,7 @@ def _filter_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
-_BIT_VALUES = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -92,16 +92,18 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
     bitmask: [R, ceil(V / 32)] int32, host or device, bit b of word w allowing token 32 w + b
     (the layout every grammar library writes). Read as little-endian bytes, byte m holds tokens
-    8 m .. 8 m + 7, so one AND against the 8 bit values unpacks it, with no per-token loop.
+    8 m .. 8 m + 7: shifting each byte by 0..7 and keeping the low bit unpacks it into 0/1
+    bytes, which are read as bools, with no per-token loop.
     Columns past the mask's 32 * words (a model vocabulary padded beyond it) are forbidden too.
     """
     rows, vocab = logits.shape
     device = logits.device
     packed = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
-    allowed = (packed.unsqueeze(-1) & _BIT_VALUES.to(device)).ne(0).view(rows, -1)
+    allowed = ((packed.unsqueeze(-1) >> _BIT_SHIFTS.to(device)) & 1).view(torch.bool)
+    allowed = allowed.view(rows, -1)
     if allowed.shape[1] < vocab:
         allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], dim=1)
-    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
+    return torch.where(allowed[:, :vocab], logits, float("-inf"))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
