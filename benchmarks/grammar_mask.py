@@ -153,13 +153,13 @@ class Llguidance:
         error = self.llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise ValueError(error)
-        return grammar
+        template = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(template.get_error())
+        return template
 
     def matcher(self, compiled):
-        m = self.llg.LLMatcher(self.tokenizer, compiled, log_level=0)
-        if m.is_error():
-            raise ValueError(m.get_error())
-        return m
+        return compiled.deep_copy()  # as ppqa does: a copy of the compiled matcher per stream
 
     def fill(self, matchers, bitmask) -> None:
         self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
