@@ -20,11 +20,14 @@ The library (llguidance, see ppqa/json_schema.py) is imported on the first schem
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from ppqa.json_schema import grammar_for
+
+MAX_CACHED_SCHEMAS = 128  # compiled schemas an engine keeps; a job's streams share one
 
 
 class Grammars:
@@ -34,7 +37,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._lib_tokenizer = None
-        self._compiled: dict[str, object] = {}
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # a worker's threads may prepare questions side by side
 
     def matcher(self, schema: str):
@@ -44,6 +47,10 @@ class Grammars:
             template = self._compiled.get(schema)
             if template is None:
                 template = self._compiled[schema] = self._compile(schema)
+                if len(self._compiled) > MAX_CACHED_SCHEMAS:  # a long-lived worker, many jobs
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(schema)
         return template.deep_copy()
 
     def _compile(self, schema: str):
