@@ -14,8 +14,9 @@ One decode step stays in flight: step t+1 is built and launched (its input token
 step t's sampled tokens on the device) before step t's tokens are read back, so host work
 overlaps the GPU. A step that holds a stream under a grammar (a JSON answer) is read back before
 the next step is built: each stream's mask depends on the token it accepted last. That step still
-overlaps the host's mask filling with the device's forward (runtime/grammar.py). `Engine.run` and `Engine.answer` are a session that is fed once and drained;
-the worker keeps one session for its whole life and feeds it as jobs arrive. The document cache
+overlaps the host's mask filling with the device's forward (runtime/grammar.py).
+`Engine.run` and `Engine.answer` are a session that is fed once and drained; the worker keeps
+one session for its whole life and feeds it as jobs arrive. The document cache
 belongs to the engine, so a document is prefilled once per engine, whichever session asks.
 """
 

@@ -33,11 +33,6 @@ class GenerationParams:
     json_schema: str | None = None
 
     def __post_init__(self) -> None:
-        if self.json_schema is not None:
-            object.__setattr__(self, "json_schema", _checked_schema(self.json_schema))
-            if self.stop:
-                raise InputError("stop strings cannot be combined with a JSON schema (they "
-                                 "would cut the JSON); the answer ends where the JSON does")
         if isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
@@ -66,6 +61,11 @@ class GenerationParams:
             raise InputError(str(exc)) from None
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise InputError(f"model must be a non-empty name or path, got {self.model!r}")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _checked_schema(self.json_schema))
+            if self.stop:
+                raise InputError("stop strings cannot be combined with a JSON schema (they "
+                                 "would cut the JSON); the answer ends where the JSON does")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
