@@ -8,7 +8,8 @@ an endless stream or a huge file is refused instead of filling memory. Lines end
 CR only (not at the other separators `str.splitlines` knows, which may sit inside a question or
 a JSON string). Questions come from `.txt` (one a line; blank lines and `#` comments skipped),
 `.jsonl` (`{"question": ..., "id": ...}`) or `.csv` (a `question` column, optional `id`);
-a question without an id gets its 1-based number as id.
+a question without an id gets its 1-based number as id. A JSON schema file (`--json-schema`)
+is one JSON object that the grammar library must compile (ppqa/json_schema.py).
 """
 
 from __future__ import annotations
