@@ -38,6 +38,9 @@ class SamplingParams:
     seed: int | None = None  # None: drawn from the engine's seeded generator
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these
     ignore_eos: bool = False
+    # A JSON schema's text (ppqa/json_schema.py): every token is masked to its grammar, EOS
+    # comes only where the JSON may end, and the answer ends when the JSON is complete.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +60,16 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed must be None or an integer >= 0, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+        if self.json_schema is not None:
+            self._check_schema()
+
+    def _check_schema(self) -> None:
+        if not isinstance(self.json_schema, str) or not self.json_schema.lstrip().startswith("{"):
+            raise ValueError(f"SamplingParams.json_schema must be a JSON object's text, "
+                             f"got {self.json_schema!r:.80}")
+        if self.stop or self.ignore_eos:
+            raise ValueError("SamplingParams.json_schema cannot be combined with stop strings "
+                             "or ignore_eos: the answer ends where its JSON does")
 
     @property
     def greedy(self) -> bool:

@@ -82,8 +82,8 @@ def test_bad_batch_file_changes_nothing(cli, tmp_path):
     path.write_text(good + "\n" + structured + "\n", encoding="utf-8")
     result = cli("ingest", "--openai-batch", path, "--model", MODEL, ok=False)
     assert result.exit_code == 2
-    assert result.stderr.startswith("error: bad.jsonl:2: body: response_format is not "
-                                    "supported yet")
+    assert result.stderr.startswith("error: bad.jsonl:2: body: response_format of type "
+                                    "json_schema needs")
     path.write_text(good + "\n" + good + "\n", encoding="utf-8")
     result = cli("ingest", "--openai-batch", path, "--model", MODEL, ok=False)
     assert result.exit_code == 2 and "bad.jsonl:2: duplicate custom_id 'a'" in result.stderr

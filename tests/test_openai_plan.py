@@ -64,7 +64,11 @@ def test_body_defaults_follow_the_openai_api_and_ignore_the_model():
 
 
 @pytest.mark.parametrize("extra, param, message", [
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
+    ({"response_format": {"type": "xml"}}, "response_format", "type is one of"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema", "cannot be compiled: Unimplemented keys"),
+    ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop", "cannot be combined"),
     ({"tools": []}, "tools", "unsupported field 'tools'"),
     ({"stream": True}, "stream", "stream=True is not supported"),
     ({"max_tokens": 0}, "max_tokens", "at least 1"),
@@ -102,7 +106,7 @@ def test_batch_file_problems_are_all_listed_with_their_lines():
     assert errors[2].startswith("requests.jsonl:2: invalid JSON")
     assert "duplicate custom_id 'a' (first at requests.jsonl:1)" in errors[3]
     assert "url must be '/v1/chat/completions'" in errors[4]
-    assert "requests.jsonl:6: body: response_format is not supported yet" in errors[6]
+    assert "requests.jsonl:6: body: response_format of type json_schema needs" in errors[6]
     assert "missing 'method'" in errors[7]
     assert str(info.value).startswith("requests.jsonl:2: invalid JSON")
     assert "(and 4 more problems)" in str(info.value)

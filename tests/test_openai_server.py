@@ -159,7 +159,8 @@ def ppqa_app():
 def test_bad_file_fails_with_its_errors(served):
     client = served.client()
     good = json.loads(batch_file({"a": chat_body(FERRY, "When?")}))
-    structured = {**good["body"], "response_format": {"type": "json_object"}}
+    structured = {**good["body"], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"not": {"type": "string"}}}}}
     text = "\n".join([json.dumps(good), "{not json",
                       json.dumps({**good, "custom_id": "b", "url": "/v1/embeddings"}),
                       json.dumps({**good, "custom_id": "c", "body": structured})])
@@ -171,8 +172,8 @@ def test_bad_file_fails_with_its_errors(served):
     assert sorted(errors) == [2, 3, 4]
     assert errors[2].message.startswith("bad.jsonl:2: invalid JSON")
     assert errors[3].param == "url"
-    assert "response_format is not supported yet" in errors[4].message
-    assert errors[4].param == "body.response_format"
+    assert "the JSON schema cannot be compiled" in errors[4].message
+    assert errors[4].param == "body.response_format.json_schema.schema"
     binary = client.files.create(file=("blob.jsonl", b"\x00\x01"), purpose="batch")
     batch = wait_for(client, client.batches.create(
         input_file_id=binary.id, endpoint="/v1/chat/completions", completion_window="24h").id)
@@ -210,11 +211,11 @@ def test_chat_completions_from_16_threads_about_one_document(served, engine):
 
 def test_api_errors_are_openai_error_bodies(served):
     client = served.client(max_retries=0)
-    refused = "response_format is not supported yet"
+    refused = "the JSON schema cannot be compiled"
     with pytest.raises(openai.BadRequestError, match=refused) as info:
         client.chat.completions.create(**chat_body(FERRY, "When?", response_format={
-            "type": "json_schema", "json_schema": {"name": "a", "schema": {}}}))
-    assert info.value.body["param"] == "response_format"
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "money"}}}))
+    assert info.value.body["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.url, api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):

@@ -12,8 +12,8 @@ import typer
 
 from ppqa.cli.common import JsonOption, open_store, print_json, say
 from ppqa.store.errors import InputError
-from ppqa.files.inputs import (MAX_INPUT_BYTES, read_batch, read_document, read_questions,
-                               read_template)
+from ppqa.files.inputs import (MAX_INPUT_BYTES, read_batch, read_document, read_json_schema,
+                               read_questions, read_template)
 from ppqa.modes import MODES
 from ppqa.store.params import GenerationParams
 
@@ -30,6 +30,8 @@ Examples:
   cat notes.txt | ppqa ingest - questions.jsonl --json
 
   ppqa ingest --batch many.jsonl
+
+  ppqa ingest report.txt questions.txt --json-schema record.json
 
   ppqa ingest --openai-batch requests.jsonl --model smollm2
 """
@@ -48,7 +50,7 @@ def ingest(
         "--batch", help='Many documents at once: a .jsonl file, one {"document": "..." | '
                         '"document_path": "...", "questions": [...], "name": ..., "id": ...} a '
                         "line; a line may also set template, max_new_tokens, temperature, top_p, "
-                        "seed, mode, model or priority.", show_default=False)] = None,
+                        "seed, mode, model, priority or json_schema.", show_default=False)] = None,
     openai_batch: Annotated[Path | None, typer.Option(
         "--openai-batch", help="An OpenAI Batch file: one {\"custom_id\", \"method\": \"POST\", "
                                '"url": "/v1/chat/completions", "body": {...}} a line. Prompts are '
@@ -78,6 +80,11 @@ def ingest(
         help="Higher runs first, e.g. --priority 10.")] = 0,
     force: Annotated[bool, typer.Option(
         "--force", help="Queue the job even if an identical one is already in the store.")] = False,
+    json_schema: Annotated[Path | None, typer.Option(
+        "--json-schema", help="Answer in JSON that follows this JSON schema (a .json file): "
+                              "decoding is masked to it and the answer ends where the JSON "
+                              "does; a batch line may give its own json_schema object, e.g. "
+                              "--json-schema record.json.", show_default=False)] = None,
     max_input_mb: Annotated[float, typer.Option(
         min=0.001, max=1e6, help="Most MiB read from any one input (document, questions file, "
                                  "batch file, template); larger ones and endless streams are "
@@ -90,6 +97,11 @@ def ingest(
                "temperature": temperature, "top_p": top_p, "seed": seed, "mode": mode,
                "model": model, "priority": priority}
     limit = int(max_input_mb * 2**20)
+    if json_schema is not None:
+        if openai_batch is not None:
+            raise InputError("--json-schema does not apply to --openai-batch (a request asks "
+                             "for JSON with its own response_format)")
+        options["json_schema"] = read_json_schema(json_schema, limit)
     if openai_batch is not None:
         if document is not None or questions is not None or batch is not None or name:
             raise InputError("--openai-batch FILE takes no DOCUMENT, QUESTIONS, --batch or --name")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from ppqa.config import EngineConfig, SamplingParams
 from ppqa.engine.outputs import Answer, PromptTooLongError, QuestionRequest, RunStats
+from ppqa.engine.runtime.grammar import Grammars
 from ppqa.engine.session import EngineSession
 from ppqa.engine.setup import EngineParts, build_parts
 
@@ -54,6 +55,8 @@ class Engine:
         self.model_config = parts.model.config
         self.tokenizer = parts.tokenizer
         self._seeds = random.Random(self.config.seed)
+        # JSON schemas compiled against this tokenizer, each once (cached by its text).
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
 
     @property
     def parts(self) -> EngineParts:

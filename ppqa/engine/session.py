@@ -12,8 +12,11 @@
 
 One decode step stays in flight: step t+1 is built and launched (its input tokens taken from
 step t's sampled tokens on the device) before step t's tokens are read back, so host work
-overlaps the GPU. `Engine.run` and `Engine.answer` are a session that is fed once and drained;
-the worker keeps one session for its whole life and feeds it as jobs arrive. The document cache
+overlaps the GPU. A step that holds a stream under a grammar (a JSON answer) is read back before
+the next step is built: each stream's mask depends on the token it accepted last. That step still
+overlaps the host's mask filling with the device's forward (runtime/grammar.py).
+`Engine.run` and `Engine.answer` are a session that is fed once and drained; the worker keeps
+one session for its whole life and feeds it as jobs arrive. The document cache
 belongs to the engine, so a document is prefilled once per engine, whichever session asks.
 """
 
@@ -213,13 +216,20 @@ class EngineSession:
                 error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
                 if error is None:
                     error = _sampling_error(req.sampling)
+                matcher = None
+                if error is None and req.sampling.json_schema is not None:
+                    try:
+                        matcher = engine.grammars.matcher(req.sampling.json_schema)
+                    except ValueError as exc:
+                        error = InvalidRequestError(str(exc))
                 if error is not None:
                     self._reject(req, error)
                     continue
                 seed = (req.sampling.seed if req.sampling.seed is not None
                         else engine.next_seed())
                 streams.append(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
-                                      seed=seed, prompt_tokens=len(doc_ids) + len(suffix)))
+                                      seed=seed, prompt_tokens=len(doc_ids) + len(suffix),
+                                      matcher=matcher))
             if streams:
                 jobs.append((doc_ids, streams))
         return jobs
@@ -296,9 +306,16 @@ class EngineSession:
         batches = self.sched.decode_batches()
         for batch in batches:
             self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(batch))
+            prev = self._in_flight
+            if prev is not None and prev.step.sampling.grammar is not None:
+                # A grammar's next mask needs the token in flight accepted: read it first.
+                self.flush()
+                prev = None
+                batch = [r for r in batch if r.row >= 0 and r.schedulable().any()]
+                if not batch:
+                    continue
             # Fixed shapes for CUDA graphs: B padded to a power of two with dummy requests.
             pad_to = 1 << (len(batch) - 1).bit_length() if self.engine.config.cuda_graphs else 0
-            prev = self._in_flight
             step = self.sched.decode_step(batch, pad_to=pad_to,
                                           prev=None if prev is None else prev.step)
             launched = self._launch(step, prev)

@@ -7,7 +7,8 @@ through, never replaced. CSV files start with a UTF-8 byte order mark so that sp
 programs read them as UTF-8; quoting follows RFC 4180, so commas, quotes and newlines inside
 answers survive, and a text cell that a spreadsheet would run as a formula (it starts with
 =, +, -, @, a tab or a CR: an answer can be steered by its document) gets a leading ' as
-OWASP advises. JSON and JSONL keep every value exactly.
+OWASP advises. JSON and JSONL keep every value exactly; the answers of a job with a JSON
+schema are written there as the JSON values they are (in CSV, as their JSON text).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from ppqa.store.errors import InputError, OutputError
-from ppqa.store.export import EXPORT_COLUMNS
+from ppqa.store.export import EXPORT_COLUMNS, JsonAnswer
 
 EXPORT_FORMATS = ("csv", "jsonl", "json")
 # The OpenAI Batch output format (ppqa.openai.batch_out), only by name: its files end in .jsonl.
@@ -86,10 +87,22 @@ def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
             writer.writerow([csv_cell(row[c]) for c in EXPORT_COLUMNS])
     elif fmt == "jsonl":
         for row in rows:
-            stream.write(json.dumps(row, ensure_ascii=False) + "\n")
+            stream.write(json.dumps(_parsed(row), ensure_ascii=False) + "\n")
     else:
-        json.dump(rows, stream, ensure_ascii=False, indent=2)
+        json.dump([_parsed(row) for row in rows], stream, ensure_ascii=False, indent=2)
         stream.write("\n")
+
+
+def _parsed(row: dict) -> dict:
+    """The row with a JSON answer as the value it parses to; an answer that does not parse
+    (cut short by the token budget, finish_reason "length") stays its text."""
+    answer = row.get("answer")
+    if not isinstance(answer, JsonAnswer):
+        return row
+    try:
+        return {**row, "answer": json.loads(answer)}
+    except ValueError:
+        return {**row, "answer": str(answer)}
 
 
 def _encoding(fmt: str) -> str:

@@ -8,7 +8,8 @@ an endless stream or a huge file is refused instead of filling memory. Lines end
 CR only (not at the other separators `str.splitlines` knows, which may sit inside a question or
 a JSON string). Questions come from `.txt` (one a line; blank lines and `#` comments skipped),
 `.jsonl` (`{"question": ..., "id": ...}`) or `.csv` (a `question` column, optional `id`);
-a question without an id gets its 1-based number as id.
+a question without an id gets its 1-based number as id. A JSON schema file (`--json-schema`)
+is one JSON object that the grammar library must compile (ppqa/json_schema.py).
 """
 
 from __future__ import annotations
@@ -268,8 +269,29 @@ def read_template(template: str, max_bytes: int = MAX_INPUT_BYTES) -> tuple[str,
     return label, source
 
 
+def read_json_schema(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> dict:
+    """A JSON schema file (`ppqa ingest --json-schema`): one JSON object that the grammar
+    library compiles (ppqa/json_schema.py); else InputError naming the file."""
+    from ppqa.json_schema import check_json_schema
+
+    label = "<stdin>" if str(path) == "-" else str(path)
+    text = read_text(path, "JSON schema", max_bytes)
+    try:
+        schema = strict_json(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{label}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})")
+    except ValueError as exc:
+        raise InputError(f"{label}: invalid JSON ({exc})")
+    try:
+        check_json_schema(schema)
+    except ValueError as exc:
+        raise InputError(f"{label}: {exc}") from None
+    return schema
+
+
 PARAM_KEYS = ("template", "max_new_tokens", "temperature", "top_p", "seed", "mode", "model",
-              "priority")
+              "priority",
+              "json_schema")  # a JSON schema object: the answers are JSON that follows it
 
 
 @dataclass

@@ -4,9 +4,10 @@
 `parse_chat_body(body)` returns a `ChatRequest` or raises `RequestError` with one line and the
 field at fault (`param`, for the API's error body). Supported: `messages` (system, developer,
 user and assistant turns; text content), `max_tokens` or `max_completion_tokens`,
-`temperature`, `top_p`, `seed`, `stop`, `n`. Harmless fields are named and ignored (`model`:
-the worker's model answers). Fields that change what an answer means are refused, among them
-`response_format`: structured answers (a JSON schema) are not built yet. Defaults follow the
+`temperature`, `top_p`, `seed`, `stop`, `n`, `response_format` (`text`; `json_schema`: the
+answer is JSON that follows the schema; `json_object`: any JSON object; both through
+ppqa/json_schema.py). Harmless fields are named and ignored (`model`: the worker's model
+answers). Fields that change what an answer means are refused. Defaults follow the
 OpenAI API (temperature 1), except the answer budget: `DEFAULT_MAX_TOKENS`, less if the prompt
 leaves less room in the model's context.
 """
@@ -31,10 +32,9 @@ IGNORED_FIELDS = ("model", "user", "metadata", "store", "service_tier", "prompt_
 # Accepted only at the value that means "off", the only behaviour ppqa has.
 DEFAULT_ONLY = {"stream": False, "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0,
                 "presence_penalty": 0, "logit_bias": {}, "stream_options": None}
-NOT_YET = {"response_format": "response_format is not supported yet: ppqa answers in free text "
-                              "(structured answers with a JSON schema are a later feature)"}
 SUPPORTED = ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-             "stop", "n")
+             "stop", "n", "response_format")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class RequestError(ValueError):
@@ -57,6 +57,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     n: int = 1
     ignored: tuple[str, ...] = ()  # fields present but ignored (IGNORED_FIELDS)
+    json_schema: str | None = None  # response_format's schema, as text (ppqa/json_schema.py)
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": text} for role, text in self.messages]
@@ -66,8 +67,6 @@ def parse_chat_body(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for name in body:
-        if name in NOT_YET:
-            raise RequestError(NOT_YET[name], name)
         if name in DEFAULT_ONLY:
             if body[name] is not None and body[name] != DEFAULT_ONLY[name]:
                 raise RequestError(f"{name}={body[name]!r} is not supported "
@@ -80,7 +79,12 @@ def parse_chat_body(body: Any) -> ChatRequest:
     budget_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     budget, seed, n, temperature, top_p = (
         body.get(name) for name in (budget_name, "seed", "n", "temperature", "top_p"))
+    json_schema = _response_format(body.get("response_format"))
+    if json_schema is not None and body.get("stop") is not None:
+        raise RequestError("stop cannot be combined with a JSON response_format (it would cut "
+                           "the JSON; the answer ends where the JSON does)", "stop")
     return ChatRequest(
+        json_schema=json_schema,
         messages=_messages(body.get("messages")),
         max_tokens=None if budget is None else _whole(budget, budget_name, low=1),
         temperature=1.0 if temperature is None else _number(temperature, "temperature", 0.0, 2.0),
@@ -89,6 +93,32 @@ def parse_chat_body(body: Any) -> ChatRequest:
         stop=_stop(body.get("stop")),
         n=1 if n is None else _whole(n, "n", low=1, high=MAX_CHOICES),
         ignored=tuple(name for name in IGNORED_FIELDS if name in body))
+
+
+def _response_format(value: Any) -> str | None:
+    """The schema a `response_format` asks for, as text: `json_schema`'s own schema, or any
+    JSON object for `json_object` (OpenAI's JSON mode); None for `text` or no format."""
+    from ppqa.json_schema import ANY_OBJECT, check_json_schema, schema_text
+
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise RequestError(f"response_format must be an object whose type is one of "
+                           f"{', '.join(RESPONSE_FORMATS)}, got {value!r:.80}", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return schema_text(ANY_OBJECT)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise RequestError('response_format of type json_schema needs "json_schema": '
+                           '{"name": ..., "schema": {...}}', "response_format.json_schema")
+    try:
+        check_json_schema(spec["schema"])
+    except ValueError as exc:
+        raise RequestError(str(exc), "response_format.json_schema.schema") from None
+    return schema_text(spec["schema"])
 
 
 def _messages(raw: Any) -> tuple[tuple[str, str], ...]:

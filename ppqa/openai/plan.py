@@ -126,7 +126,8 @@ def plan_requests(requests: Sequence[PlannedRequest], model: PromptModel, *, lab
                 params = GenerationParams(
                     template=RAW_TEMPLATE, max_new_tokens=max_new,
                     temperature=r.request.temperature, top_p=r.request.top_p,
-                    seed=r.request.seed + choice, model=model.name, stop=r.request.stop)
+                    seed=r.request.seed + choice, model=model.name, stop=r.request.stop,
+                    json_schema=r.request.json_schema)
                 if params not in jobs_of_group:
                     jobs_of_group[params] = len(pending)
                     pending.append((document, f"{label} group {number}", params, where, []))

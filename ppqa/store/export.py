@@ -1,7 +1,8 @@
 """The rows an export writes (`export_rows`): one per question of the selected jobs.
 
 Finished jobs by default, chosen jobs with `job_ids`, every job with `include_all`; a question
-not answered yet has an empty answer. `ppqa.files.export` writes them to a file.
+not answered yet has an empty answer; a schema job's answers are `JsonAnswer` texts.
+`ppqa.files.export` writes them to a file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from ppqa.store.timefmt import iso
 
 EXPORT_COLUMNS = ("job", "document", "question_id", "question", "answer", "finish_reason",
                   "tokens", "model", "mode", "finished_at")
+
+
+class JsonAnswer(str):
+    """The text of an answer that a JSON schema constrained: CSV writes it as this text, JSON
+    and JSONL as the value it parses to (files/export.py)."""
 
 
 def export_rows(db: Database, job_ids: list[int] | None = None, include_all: bool = False
@@ -50,8 +56,11 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
     for r in rows:
         params = jobs[r.job_id] or {}
         model, mode = ran.get(r.job_id, (params.get("model"), params.get("mode")))
+        answer = r.answer
+        if answer is not None and params.get("json_schema") is not None:
+            answer = JsonAnswer(answer)
         out.append({"job": r.job_id, "document": r.name, "question_id": r.custom_id,
-                    "question": r.text, "answer": r.answer, "finish_reason": r.finish_reason,
+                    "question": r.text, "answer": answer, "finish_reason": r.finish_reason,
                     "tokens": r.token_count, "model": model, "mode": mode,
                     "finished_at": iso(r.created_at)})
     return out

@@ -6,6 +6,7 @@ the worker reads them back with `GenerationParams.from_dict` to drive the engine
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -27,6 +28,9 @@ class GenerationParams:
     mode: str = "auto"
     model: str | None = None  # None: whatever model the worker runs
     stop: tuple[str, ...] = ()  # an answer ends before the first of these strings
+    # A JSON schema every answer follows (ppqa/json_schema.py), as its compact JSON text so the
+    # params stay hashable; given as a dict or text, stored in the job as the object.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (list, tuple)):
@@ -57,6 +61,11 @@ class GenerationParams:
             raise InputError(str(exc)) from None
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise InputError(f"model must be a non-empty name or path, got {self.model!r}")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _checked_schema(self.json_schema))
+            if self.stop:
+                raise InputError("stop strings cannot be combined with a JSON schema (they "
+                                 "would cut the JSON); the answer ends where the JSON does")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -64,6 +73,10 @@ class GenerationParams:
             del data["stop"]
         else:
             data["stop"] = list(self.stop)
+        if self.json_schema is None:  # likewise for jobs without a schema
+            del data["json_schema"]
+        else:
+            data["json_schema"] = json.loads(self.json_schema)
         return data
 
     @classmethod
@@ -71,6 +84,22 @@ class GenerationParams:
         """Read stored params, ignoring keys a newer ppqa may have added."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _checked_schema(schema: Any) -> str:
+    """A schema (a dict, or its JSON text) that the grammar library compiles, as its text."""
+    from ppqa.json_schema import check_json_schema, schema_text
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InputError(f"json_schema is not valid JSON ({exc})") from None
+    try:
+        check_json_schema(schema)
+    except ValueError as exc:
+        raise InputError(f"json_schema: {exc}") from None
+    return schema_text(schema)
 
 
 def _is_number(value: Any) -> bool:

@@ -345,4 +345,4 @@ def _sampling(claim: ClaimedJob):
 
     p = claim.params
     return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                          top_p=p.top_p, seed=p.seed, stop=p.stop)
+                          top_p=p.top_p, seed=p.seed, stop=p.stop, json_schema=p.json_schema)

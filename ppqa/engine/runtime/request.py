@@ -7,7 +7,8 @@ so the scheduler builds a step for B requests with a few concatenations, not a l
 
 Two clocks: a step *schedules* a token for each stream it feeds (`num_out`, the sampling counter,
 and the row/rotary positions advance when the step is built), and a token is *accepted* when the
-host reads it back (`Request.accept`: EOS, stop strings and the token budget end the stream).
+host reads it back (`Request.accept`: EOS, stop strings, a completed JSON grammar and the token
+budget end the stream).
 The engine builds step t+1 before it reads step t's tokens, so a stream may be fed once after the
 token that ended it; that token's KV lands in a slot only the dead stream can see, within its
 reservation (a stream is never scheduled past its token budget).
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from ppqa.config import SamplingParams
+from ppqa.engine.runtime.grammar import accept_token
 from ppqa.engine.runtime.kv_cache import CachedDocument, document_key
 
 
@@ -41,6 +43,7 @@ class Stream:
     # held its document and question, and of the decode steps that fed it.
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    matcher: object | None = None  # the grammar state of a JSON answer (runtime/grammar.py)
 
     @property
     def is_finished(self) -> bool:
@@ -80,6 +83,7 @@ class Request:
         self.top_k = np.array([s.sampling.top_k for s in self.streams] + [0] * pad, dtype=np.int64)
         self.seed = np.array([s.seed for s in self.streams] + [0] * pad, dtype=np.int64)
         self.all_greedy = all(s.sampling.greedy for s in self.streams)
+        self.constrained = any(s.matcher is not None for s in self.streams)
 
     @property
     def doc_len(self) -> int:
@@ -123,6 +127,8 @@ class Request:
         if not params.ignore_eos and token in eos_ids:
             return self._finish(s, "stop", decode(stream.output_ids), now)
         stream.output_ids.append(token)
+        if stream.matcher is not None and accept_token(stream.matcher, token):
+            return self._finish(s, "stop", decode(stream.output_ids), now)  # the JSON is complete
         if params.stop:
             text = decode(stream.output_ids)
             cut = min((i for i in (text.find(t) for t in params.stop) if i >= 0), default=-1)

@@ -6,9 +6,12 @@ question's answer therefore depends only on its own seed and logits, never on wh
 share its batch, in which order, or in which mode (stock, parallel, cascade) it runs, and the same
 noise comes out on the CPU and on a GPU. Sampling uses the Gumbel-max trick on the filtered logits.
 
+A row under a grammar (a JSON schema, runtime/grammar.py) has the tokens its grammar forbids set
+to -inf first (`apply_token_bitmask`), so every sampler, greedy included, picks an allowed one.
+
 Data flow: the scheduler concatenates the [P] parameter tensors of the step's requests into a
-`SamplingBatch`; the runner's logits [R, V] and that batch go into `sample`, the tokens [R] go back
-to the scheduler.
+`SamplingBatch` (with the step's constrained rows, if any); the runner's logits [R, V] and that
+batch go into `sample`, the tokens [R] go back to the scheduler.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class SamplingBatch:
     seed: torch.Tensor  # [R] int64
     step: torch.Tensor  # [R] int64 tokens already sampled by the row's question
     all_greedy: bool = False
+    # The step's constrained rows (runtime/grammar.GrammarRows), masked before sampling.
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         rows = self.temperature.shape[0]
@@ -78,8 +83,34 @@ def _filter_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with -inf for every token the bitmask forbids (a new tensor: the runner's may be
+    a graph's static output or an inference tensor).
+
+    bitmask: [R, ceil(V / 32)] int32, host or device, bit b of word w allowing token 32 w + b
+    (the layout every grammar library writes). Read as little-endian bytes, byte m holds tokens
+    8 m .. 8 m + 7: shifting each byte by 0..7 and keeping the low bit unpacks it into 0/1
+    bytes, which are read as bools, with no per-token loop.
+    Columns past the mask's 32 * words (a model vocabulary padded beyond it) are forbidden too.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    packed = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
+    allowed = ((packed.unsqueeze(-1) >> _BIT_SHIFTS.to(device)) & 1).view(torch.bool)
+    allowed = allowed.view(rows, -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], dim=1)
+    return torch.where(allowed[:, :vocab], logits, float("-inf"))
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [R, V] (float32) -> token ids [R] int64 on the logits' device."""
+    """logits [R, V] (float32) -> token ids [R] int64 on the logits' device. Rows under a
+    grammar are masked first."""
+    if batch.grammar is not None:
+        logits = apply_token_bitmask(logits, batch.grammar.bitmask(*logits.shape))
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy

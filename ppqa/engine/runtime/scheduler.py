@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ppqa.engine.runtime.grammar import GrammarRows
 from ppqa.engine.runtime.kv_cache import CachedDocument, DocumentCache, KVPool, ReqToTokenTable
 from ppqa.engine.runtime.layout import StepLayout, decode_layout, document_layout, question_layout
 from ppqa.engine.runtime.request import Request, Stream
@@ -287,8 +288,9 @@ class Scheduler:
             prefix_lens=torch.tensor([r.doc_len for r in requests]),
             logit_indices=torch.cat(lasts), **self._doc_runs(requests, 0),
             cascade_groups=self._groups(requests, 0, lambda r: True) if cascade else None)
-        step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases,
-                           [np.arange(r.width) < len(r.streams) for r in requests])
+        fed = [np.arange(r.width) < len(r.streams) for r in requests]
+        sampling.grammar = _grammar_rows(requests, bases, fed)
+        step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases, fed)
         for req, base in zip(requests, bases):
             req.start_answers()
             req.num_out[:len(req.streams)] += 1
@@ -367,8 +369,9 @@ class Scheduler:
             logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True,
             input_src=input_src, **doc_runs)
         sampling = self._sampling(requests, None, pad * width)
-        step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling,
-                           list(range(0, batch * width, width)), feed)
+        bases = list(range(0, batch * width, width))
+        sampling.grammar = _grammar_rows(requests, bases, feed)
+        step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases, feed)
         for req, mask, count, base in zip(requests, feed, counts, step.bases):
             req.prefix_len += count
             req.next_pos += mask
@@ -443,6 +446,19 @@ class Scheduler:
                 self.release(req)
         self.running = [r for r in self.running if r.row >= 0]
         return finished
+
+
+def _grammar_rows(requests: Sequence[Request], bases: list[int],
+                  fed: list[np.ndarray]) -> GrammarRows | None:
+    """The step's logit rows whose streams follow a grammar, with their matchers (None: none)."""
+    matchers, rows = [], []
+    for req, base, mask in zip(requests, bases, fed):
+        if req.constrained:
+            for s, stream in enumerate(req.streams):
+                if mask[s] and stream.matcher is not None:
+                    matchers.append(stream.matcher)
+                    rows.append(base + s)
+    return GrammarRows(matchers, rows) if matchers else None
 
 
 def _step_order(req: Request) -> tuple[int, int]:

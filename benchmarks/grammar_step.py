@@ -1,0 +1,115 @@
+"""The decode-step cost of JSON answers in the engine: the same workload with a JSON schema's
+mask and without it.
+
+N questions about one seeded document (`ppqa bench`'s synthetic text), greedy. First every
+question is answered under the 5-field schema of `grammar_mask.py` (the mask filled on the host
+per step, applied to the logits, constrained steps read back before the next is built); then
+the same questions without a schema, each given exactly its constrained answer's length as its
+budget with EOS ignored, so both runs decode the same streams for the same number of steps and
+the ratio of their decode seconds is the ratio of their step costs. The document is cached and
+a warm-up run compiles and captures before timing; passes alternate the order.
+
+    python benchmarks/grammar_step.py --model dummy:qwen2.5-1.5b+bpe --device cuda \
+        --questions 256 --doc-tokens 2000 --out benchmarks/results/h200/grammar_step.json
+    .venv/bin/python benchmarks/grammar_step.py --model dummy:tiny-gqa+bpe --questions 64 --threads 1
+
+Prints and writes {mode: {constrained_decode_s, free_decode_s, ratio, ...}}, each the fastest
+of its passes (every pass is in `runs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ppqa import Engine, QuestionRequest, SamplingParams  # noqa: E402
+from ppqa.bench.grid import git_commit, make_workload  # noqa: E402
+from ppqa.json_schema import schema_text  # noqa: E402
+
+
+def _schema() -> dict:
+    """grammar_mask.py's 5-field schema (one definition of the benchmark schema)."""
+    spec = importlib.util.spec_from_file_location("grammar_mask", ROOT / "benchmarks" / "grammar_mask.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SCHEMA
+
+
+def run(engine: Engine, requests: list[QuestionRequest], mode: str) -> tuple[dict, object]:
+    answers = {}
+    stats = engine.run(requests, mode=mode, on_answer=lambda r, a: answers.__setitem__(r.key, a))
+    return answers, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dummy:tiny-gqa+bpe")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--doc-tokens", type=int, default=2000)
+    parser.add_argument("--questions", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--modes", nargs="+", default=["stock", "cascade"])
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 avoids OpenMP spin-waits on a busy machine)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+
+    engine = Engine(args.model, device=args.device, dtype=args.dtype)
+    document, questions = make_workload(engine.tokenizer, args.doc_tokens, args.questions, args.seed)
+    schema = _schema()
+    constrained = [QuestionRequest(i, document, q, SamplingParams(
+        max_new_tokens=args.max_new_tokens, json_schema=schema_text(schema)))
+        for i, q in enumerate(questions)]
+    result = {"what": "decode seconds with a JSON schema's mask against without, same steps",
+              "commit": git_commit(), "model": args.model, "device": str(engine.device),
+              "dtype": str(engine.dtype), "python": platform.python_version(),
+              "questions": args.questions, "doc_tokens": args.doc_tokens, "schema": schema,
+              "modes": {}}
+    for mode in args.modes:
+        answers, _ = run(engine, constrained, mode)  # warm-up: compile, capture, cache
+        lengths = {k: max(1, len(a.token_ids)) for k, a in answers.items()}
+        free = [QuestionRequest(r.key, document, r.question, SamplingParams(
+            max_new_tokens=lengths[r.key], ignore_eos=True)) for r in constrained]
+        run(engine, free, mode)
+        timed = {"constrained": [], "free": []}
+        for p in range(args.passes):
+            order = ("constrained", "free") if p % 2 == 0 else ("free", "constrained")
+            for kind in order:
+                begin = time.perf_counter()
+                got, stats = run(engine, constrained if kind == "constrained" else free, mode)
+                timed[kind].append({"wall_s": time.perf_counter() - begin,
+                                    "decode_s": stats.decode_s, "steps": stats.steps,
+                                    "answer_tokens": stats.answer_tokens})
+        valid = sum(1 for a in answers.values() if a.finish_reason == "stop")
+        # The fastest pass of each: the least disturbed by whatever else the machine runs.
+        best = {k: min(t["decode_s"] for t in v) for k, v in timed.items()}
+        result["modes"][mode] = {
+            "constrained_decode_s": round(best["constrained"], 4),
+            "free_decode_s": round(best["free"], 4),
+            "ratio": round(best["constrained"] / best["free"], 3),
+            "answers_completed": valid, "answer_tokens_mean": round(
+                sum(lengths.values()) / len(lengths), 1), "runs": timed}
+        print(mode, json.dumps({k: v for k, v in result["modes"][mode].items() if k != "runs"}),
+              file=sys.stderr)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
