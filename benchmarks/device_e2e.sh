@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the product as users run it: start-up on an empty and on a warm Triton
 # cache, the GPU tests, the prefill profile, the engine session on the paper mix at two batch
-# ceilings, e2e workloads (stock against auto, one pass), and one OpenAI Batch file through
-# ppqa serve against ingest/run. Each step has its own time limit; logs and JSON go to $OUT.
+# ceilings, e2e workloads (stock against auto, one pass), one OpenAI Batch file through ppqa
+# serve against ingest/run, and the decode step with a JSON schema's mask against without. Each step has its own time limit; logs and JSON go to $OUT.
 # Run on a fresh machine (its Triton cache is empty), from the repo root, with `.whl` (the
 # wheels the device lacks) and `.carry` (PPQA_HOME with the saved BPE tokenizer) carried.
 # STEPS="startup pytest ..." runs a subset, in that order.
@@ -29,7 +29,7 @@ e2e() {  # e2e WORKLOAD LIMIT [bench args]
     --out "$OUT/e2e_$w.json" "$@"
 }
 
-for s in ${STEPS:-startup pytest prefill timeline quality loogle serve}; do
+for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline}; do
   case $s in
     startup)
       step startup_cold 120 python3 benchmarks/startup_profile.py --no-profile --out "$OUT/startup_cold.json"
@@ -47,6 +47,9 @@ for s in ${STEPS:-startup pytest prefill timeline quality loogle serve}; do
     loogle) e2e loogle 170 --max-docs 12 ;;
     paper) e2e paper 200 --max-docs 1 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
+    grammar)
+      step grammar 100 python3 benchmarks/grammar_step.py --model dummy:codellama-7b+bpe --device cuda \
+        --questions 256 --doc-tokens 2000 --out "$OUT/grammar_step.json" ;;
     serve)
       step serve 150 python3 benchmarks/serve_vs_run.py --workload labeling --max-docs 25 --passes 1 \
         --gpu 0 --out "$OUT/serve_vs_run.json" ;;
