@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ppqa.choices import check_choices, check_norm
 from ppqa.config import SamplingParams
+
+
+FINISH_REASONS = ("stop", "length", "choice")
 
 
 class PromptTooLongError(ValueError):
@@ -32,8 +36,16 @@ class QuestionRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     template: str = "qa"  # a built-in name or a .jinja path (a label when template_source is set)
     template_source: str | None = None  # the template's text, rendered instead of `template`
+    # Labels to choose from: the answer is the one whose tokens are most likely after the
+    # prompt (no generation; see engine/scoring.py). `choice_norm`: how the choices' summed
+    # log-probabilities are compared (ppqa/choices.py).
+    choices: tuple[str, ...] | None = None
+    choice_norm: str = "none"
 
     def __post_init__(self) -> None:
+        if self.choices is not None:
+            self.choices = check_choices(self.choices)
+        check_norm(self.choice_norm)
         if not isinstance(self.document, str) or not isinstance(self.question, str):
             raise TypeError("QuestionRequest.document and .question must be strings")
         if self.template_source is not None and not isinstance(self.template_source, str):
@@ -47,7 +59,8 @@ class QuestionRequest:
 class Answer:
     text: str
     token_ids: list[int]  # generated ids; an EOS that ended the answer is not included
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_new_tokens)
+    # "stop" (EOS or a stop string) | "length" (max_new_tokens) | "choice" (a scored choice)
+    finish_reason: str
     prompt_tokens: int  # document prefix + question suffix
     question_index: int = 0  # position in the question list of `Engine.answer`
     latency_s: float = 0.0  # from the start of the session to this answer
@@ -57,10 +70,17 @@ class Answer:
     # document and question, and of the decode steps that fed it (see engine/session.py).
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # A question with choices: the chosen label (also `text`), and per choice, in the
+    # question's order, its summed log-probability and its probability (the softmax of the
+    # normalised scores over the choices). None for generated answers.
+    choice: str | None = None
+    choice_logprobs: list[float] | None = None
+    choice_probs: list[float] | None = None
 
     def __post_init__(self) -> None:
-        if self.finish_reason not in ("stop", "length"):
-            raise ValueError(f"Answer.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Answer.finish_reason must be one of {', '.join(FINISH_REASONS)}, "
+                             f"got {self.finish_reason!r}")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
     submit(requests) -> prompts per (template, document) -> checks (context, pool) -> a mode per
         document group (auto: the cost model) -> requests of P streams (parallel) or one
-        question each (stock, cascade) -> the scheduler's queue
+        question each (stock, cascade) -> the scheduler's queue; questions with choices
+        become scoring requests (engine/scoring.py), which a prefill step answers whole
     step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
               while others decode, so they keep producing tokens)
            -> run: one decode step per kind of request (every width-1 request in one step,
@@ -31,6 +32,8 @@ from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.sampling import sample
+from ppqa.engine.runtime.scoring import choice_logprobs
+from ppqa.engine import scoring
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
 from ppqa.modes import check_mode
 
@@ -80,6 +83,7 @@ class EngineSession:
         self._in_flight: _Launched | None = None
         self._last_read = 0.0  # when the last decode step's tokens came back
         self._modes: set[str] = set()
+        self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
         tokenizer = engine.tokenizer
         self._eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
         self._cuda = engine.device.type == "cuda"
@@ -102,6 +106,13 @@ class EngineSession:
         engine = self.engine
         accepted = 0
         for doc_ids, group in self._prepare(requests):
+            scored = [s for s in group if s.choice_ids is not None]
+            group = [s for s in group if s.choice_ids is None]
+            if scored:
+                self._submit_scored(doc_ids, scored, scoring.scoring_mode(mode))
+                accepted += len(scored)
+            if not group:
+                continue
             chosen, width = choose_plan(mode, streams, len(doc_ids), group, engine.model_config,
                                         engine.device.type, engine.dtype.itemsize,
                                         engine.config.default_streams)
@@ -113,10 +124,18 @@ class EngineSession:
         self.stats.mode = next(iter(self._modes)) if len(self._modes) == 1 else "mixed"
         return accepted
 
+    def _submit_scored(self, doc_ids: list[int], streams: list[Stream], mode: str) -> None:
+        key = document_key(doc_ids)
+        self._modes.add(mode)
+        for whole in streams:
+            for stream in scoring.streams_for_mode(whole, mode):
+                self.sched.add(Request(doc_ids, [stream], width=1, doc_key=key, mode=mode))
+
     def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
         """Drop the questions that `doomed(request)` picks, queued or running: they get no
         answer, and their KV and rows are free for others at once. Returns how many."""
-        dropped = len(self.sched.cancel(doomed))
+        dropped = len({id(s.key) for s in self.sched.cancel(doomed)})  # a question, not a choice
+        self._scores.drop(doomed)
         self.stats.cancelled += dropped
         return dropped
 
@@ -133,8 +152,8 @@ class EngineSession:
     def open_questions(self) -> int:
         """Questions submitted and not yet answered, rejected or cancelled."""
         sched = self.sched
-        return sum(1 for r in [*sched.waiting, *sched.prefilling, *sched.running]
-                   for st in r.streams if not st.cancelled and not st.is_finished)
+        return len({id(st.key) for r in [*sched.waiting, *sched.prefilling, *sched.running]
+                    for st in r.streams if not st.cancelled and not st.is_finished})
 
     def has_work(self) -> bool:
         return self.sched.has_work() or self._in_flight is not None
@@ -198,10 +217,12 @@ class EngineSession:
             groups.setdefault((req.template, req.template_source, req.document), []).append(req)
         jobs = []
         for (template, source, document), reqs in groups.items():
+            choices = ([r.choices for r in reqs] if any(r.choices is not None for r in reqs)
+                       else None)
             try:
                 _check_size(engine, document, reqs)
                 prompt = engine.tokenizer.prompt(template, document, [r.question for r in reqs],
-                                                 template_source=source)
+                                                 template_source=source, choices=choices)
                 if engine.config.share_question_prefix:
                     prompt = prompt.with_common_opening()
             except Exception as error:  # noqa: BLE001 - bad input fails its own questions
@@ -209,7 +230,16 @@ class EngineSession:
                     self._reject(req, _input_error(error))
                 continue
             doc_ids, streams = list(prompt.prefix_ids), []
-            for req, suffix in zip(reqs, prompt.suffix_ids):
+            for i, (req, suffix) in enumerate(zip(reqs, prompt.suffix_ids)):
+                if req.choices is not None:
+                    stream = scoring.question_stream(req, suffix, prompt.choices[i], len(doc_ids))
+                    error = engine.fit_error(len(doc_ids), stream.reserve_tokens, 0)
+                    if error is not None:
+                        self._reject(req, error)
+                        continue
+                    self._scores.expect(req, prompt.choices[i], stream.prompt_tokens)
+                    streams.append(stream)
+                    continue
                 error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
                 if error is None:
                     error = _sampling_error(req.sampling)
@@ -264,7 +294,10 @@ class EngineSession:
             if not ready:
                 break
             worked = True
-            for step in self._question_steps(ready):
+            scored = [r for r in ready if r.scoring]
+            if scored:
+                self._score(scored)
+            for step in self._question_steps([r for r in ready if not r.scoring]):
                 step_begin = time.perf_counter()
                 stats.prefilled_tokens += step.inputs.num_tokens
                 self._finish(self._launch(step, None), charge=False)
@@ -277,6 +310,33 @@ class EngineSession:
                 break
         if worked:
             stats.prefill_s += time.perf_counter() - begin
+
+    def _score(self, requests: list[Request]) -> None:
+        """Score the choices of ready scoring requests in one extend, answer the questions
+        whose choices are all scored, and free the requests (engine/scoring.py)."""
+        begin = time.perf_counter()
+        cascade = self._grouped_prefill or any(r.mode == "cascade" for r in requests)
+        inputs, plan = self.sched.score_step(requests, cascade=cascade)
+        logprobs = choice_logprobs(self._parts.runner.run(inputs), plan)  # waits for the device
+        self.stats.steps += 1
+        self.stats.prefilled_tokens += inputs.num_tokens
+        seconds = time.perf_counter() - begin
+        for req in requests:
+            req.streams[0].prefill_s += seconds * req.prefill_tokens / max(inputs.num_tokens, 1)
+        per_stream: dict[int, list[float]] = {}
+        for (stream, _), lp in zip(plan.choices, logprobs):
+            per_stream.setdefault(id(stream), []).append(lp)
+        self.sched.retire(requests)
+        now = time.perf_counter()
+        for req in requests:
+            stream = req.streams[0]
+            stream.finish_reason = "choice"
+            if stream.cancelled:
+                continue
+            answer = self._scores.add(stream, per_stream[id(stream)], mode=req.mode,
+                                      latency_s=now - self.started)
+            if answer is not None:
+                self._deliver(stream.key, answer)
 
     def _question_steps(self, ready: list[Request]) -> list[PlannedStep]:
         """The question prefill of newly ready requests: width-1 requests grouped by document
@@ -320,7 +380,7 @@ class EngineSession:
     def _finish(self, launched: _Launched, charge: bool = True) -> None:
         tokens = launched.read()
         now = time.perf_counter()
-        step, stats = launched.step, self.stats
+        step = launched.step
         if charge:
             # A decode step's time, shared by its streams: from its launch (or the previous
             # step's read, when it was launched behind that one) to its tokens, so that steps in
@@ -339,11 +399,15 @@ class EngineSession:
             answer = Answer(stream.text, list(stream.output_ids), stream.finish_reason,
                             stream.prompt_tokens, latency_s=now - self.started, mode=mode,
                             streams=width, prefill_s=stream.prefill_s, decode_s=stream.decode_s)
-            stats.questions += 1
-            stats.answer_tokens += len(answer.token_ids)
-            stats.prompt_tokens += answer.prompt_tokens
-            if self.on_answer is not None:
-                self.on_answer(stream.key, answer)
+            self._deliver(stream.key, answer)
+
+    def _deliver(self, key: QuestionRequest, answer: Answer) -> None:
+        stats = self.stats
+        stats.questions += 1
+        stats.answer_tokens += len(answer.token_ids)
+        stats.prompt_tokens += answer.prompt_tokens
+        if self.on_answer is not None:
+            self.on_answer(key, answer)
 
 
 def _charge(streams: list[Stream], field: str, seconds: float) -> None:

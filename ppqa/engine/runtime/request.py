@@ -41,10 +41,29 @@ class Stream:
     # held its document and question, and of the decode steps that fed it.
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # A scoring stream (engine/runtime/scoring.py): the tokens of the choices it scores, and
+    # their places among its question's choices. None: a stream that generates.
+    choice_ids: list[list[int]] | None = None
+    choice_index: list[int] | None = None
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def choice_tokens(self) -> int:
+        """Choice tokens this stream forwards: none when every choice is one token (the
+        question's last logits score them all)."""
+        if self.choice_ids is None or all(len(c) == 1 for c in self.choice_ids):
+            return 0
+        return sum(len(c) for c in self.choice_ids)
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV slots after the document: the question and its answer budget, or its choices."""
+        if self.choice_ids is not None:
+            return len(self.suffix_ids) + self.choice_tokens
+        return len(self.suffix_ids) + self.sampling.max_new_tokens
 
 
 @dataclass(eq=False)
@@ -90,9 +109,19 @@ class Request:
         return [len(s.suffix_ids) for s in self.streams]
 
     @property
+    def scoring(self) -> bool:
+        """A request that scores choices (one stream, no decode; see runtime/scoring.py)."""
+        return self.streams[0].choice_ids is not None
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens its prefill step forwards: its questions (and a scoring stream's choices)."""
+        return sum(len(s.suffix_ids) + s.choice_tokens for s in self.streams)
+
+    @property
     def reserve_tokens(self) -> int:
         """KV slots to hold every question and its full answer budget (beyond the document)."""
-        return sum(len(s.suffix_ids) + s.sampling.max_new_tokens for s in self.streams)
+        return sum(s.reserve_tokens for s in self.streams)
 
     @property
     def is_finished(self) -> bool:
