@@ -47,7 +47,7 @@ def check_choices(choices: Sequence[str]) -> tuple[str, ...]:
 
 def check_norm(norm: str) -> str:
     if norm not in CHOICE_NORMS:
-        raise ValueError(f"choice norm must be one of {', '.join(CHOICE_NORMS)}, got {norm!r}")
+        raise ValueError(f"choice_norm must be one of {', '.join(CHOICE_NORMS)}, got {norm!r}")
     return norm
 
 
@@ -59,6 +59,14 @@ def normalise(logprob: float, num_tokens: int, num_chars: int, norm: str) -> flo
     if norm == "char":
         return logprob / max(num_chars, 1)
     return logprob
+
+
+def score_records(labels: Sequence[str], logprobs: Sequence[float], probs: Sequence[float]
+                  ) -> list[dict]:
+    """[{"choice", "logprob", "prob"}] per choice, in the question's order: what the store
+    keeps and the export writes."""
+    return [{"choice": c, "logprob": float(lp), "prob": float(p)}
+            for c, lp, p in zip(labels, logprobs, probs, strict=True)]
 
 
 def choice_probabilities(scores: Sequence[float]) -> list[float]:

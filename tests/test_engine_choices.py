@@ -193,5 +193,5 @@ def test_engine_score_api_checks_its_arguments() -> None:
         engine.score("doc", ["q"], ["a", "a"])
     with pytest.raises(ValueError, match="2 choice lists for 1 questions"):
         engine.score("doc", ["q"], [["a", "b"], ["c", "d"]])
-    with pytest.raises(ValueError, match="choice norm must be one of"):
+    with pytest.raises(ValueError, match="choice_norm must be one of"):
         engine.score("doc", ["q"], ["a", "b"], norm="bytes")

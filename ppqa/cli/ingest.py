@@ -12,8 +12,9 @@ import typer
 
 from ppqa.cli.common import JsonOption, open_store, print_json, say
 from ppqa.store.errors import InputError
-from ppqa.files.inputs import (MAX_INPUT_BYTES, read_batch, read_document, read_questions,
-                               read_template)
+from ppqa.choices import CHOICE_NORMS
+from ppqa.files.inputs import (MAX_INPUT_BYTES, parse_choices, read_batch, read_document,
+                               read_questions, read_template, with_choices)
 from ppqa.modes import MODES
 from ppqa.store.params import GenerationParams
 
@@ -31,6 +32,8 @@ Examples:
 
   ppqa ingest --batch many.jsonl
 
+  ppqa ingest reviews.txt aspects.txt --template label --choices "positive,negative,neutral"
+
   ppqa ingest --openai-batch requests.jsonl --model smollm2
 """
 
@@ -42,13 +45,15 @@ def ingest(
         help="The document: a UTF-8 text file, or - for standard input.", show_default=False)] = None,
     questions: Annotated[str | None, typer.Argument(
         help="Questions: .txt (one a line; blank lines and # comments skipped), .jsonl "
-             '({"question": ..., "id": ...} a line) or .csv (a question column, optional id).',
+             '({"question": ..., "id": ..., "choices": [...]} a line) or .csv (a question '
+             "column, optional id and choices, the labels separated by |).",
         show_default=False)] = None,
     batch: Annotated[Path | None, typer.Option(
         "--batch", help='Many documents at once: a .jsonl file, one {"document": "..." | '
                         '"document_path": "...", "questions": [...], "name": ..., "id": ...} a '
                         "line; a line may also set template, max_new_tokens, temperature, top_p, "
-                        "seed, mode, model or priority.", show_default=False)] = None,
+                        "seed, mode, model, priority, choices or choice_norm.",
+        show_default=False)] = None,
     openai_batch: Annotated[Path | None, typer.Option(
         "--openai-batch", help="An OpenAI Batch file: one {\"custom_id\", \"method\": \"POST\", "
                                '"url": "/v1/chat/completions", "body": {...}} a line. Prompts are '
@@ -76,6 +81,14 @@ def ingest(
     seed: Annotated[int, typer.Option(help="Sampling seed (per question), e.g. --seed 7.")] = 0,
     priority: Annotated[int, typer.Option(
         help="Higher runs first, e.g. --priority 10.")] = 0,
+    choices: Annotated[str | None, typer.Option(
+        help="Answer every question by choosing one of these comma-separated labels, scored "
+             "by log-probability (no generation), e.g. --choices \"yes,no,unsure\"; questions "
+             "with choices of their own keep them.", show_default=False)] = None,
+    choice_norm: Annotated[str, typer.Option(
+        help=f"How choices are compared: {', '.join(CHOICE_NORMS)} (summed log-probability; "
+             "per token; per character, as lm-evaluation-harness's acc_norm), e.g. "
+             "--choice-norm char.")] = "none",
     force: Annotated[bool, typer.Option(
         "--force", help="Queue the job even if an identical one is already in the store.")] = False,
     max_input_mb: Annotated[float, typer.Option(
@@ -88,11 +101,14 @@ def ingest(
 
     options = {"template": template, "max_new_tokens": max_new_tokens,
                "temperature": temperature, "top_p": top_p, "seed": seed, "mode": mode,
-               "model": model, "priority": priority}
+               "model": model, "priority": priority, "choice_norm": choice_norm}
     limit = int(max_input_mb * 2**20)
+    shared = None if choices is None else parse_choices(choices, ",", "--choices")
     if openai_batch is not None:
         if document is not None or questions is not None or batch is not None or name:
             raise InputError("--openai-batch FILE takes no DOCUMENT, QUESTIONS, --batch or --name")
+        if shared is not None:
+            raise InputError("--choices does not apply to --openai-batch requests")
         _ingest_openai_batch(ctx, openai_batch, model or "smollm2", priority, force, json_out,
                              limit)
         return
@@ -101,7 +117,7 @@ def ingest(
             raise InputError("give either DOCUMENT QUESTIONS or --batch FILE, not both")
         if name is not None:
             raise InputError("--name applies to one document; in a batch give each line a name")
-        requests = [_request(item.document_text, item.name, item.questions,
+        requests = [_request(item.document_text, item.name, _chosen(item.questions, shared),
                              {**options, **item.overrides}, item.where, limit)
                     for item in read_batch(batch, limit)]
     else:
@@ -110,7 +126,8 @@ def ingest(
                              "see 'ppqa ingest --help'")
         text, default_name = read_document(document, limit)
         requests = [_request(text, name or default_name,
-                             read_questions(questions, limit), options, "", limit)]
+                             _chosen(read_questions(questions, limit), shared), options, "",
+                             limit)]
     results = ingest_jobs(open_store(ctx, create=True), requests, force=force)
     if json_out:
         print_json([r.to_dict() for r in results] if batch is not None else results[0].to_dict())
@@ -141,6 +158,10 @@ def _ingest_openai_batch(ctx, path: Path, model: str, priority: int, force: bool
         for r in results:
             print(r.job_id)
     say(f"queued batch {batch.public_id} for model {model}: {plan.summary()}")
+
+
+def _chosen(questions, shared):
+    return questions if shared is None else with_choices(questions, shared)
 
 
 def _request(text, name, questions, options: dict, where: str, limit: int):

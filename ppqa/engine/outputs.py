@@ -74,6 +74,7 @@ class Answer:
     # question's order, its summed log-probability and its probability (the softmax of the
     # normalised scores over the choices). None for generated answers.
     choice: str | None = None
+    choices: list[str] | None = None  # the labels, in the question's order
     choice_logprobs: list[float] | None = None
     choice_probs: list[float] | None = None
 

@@ -95,5 +95,5 @@ def _answer(req: QuestionRequest, pending: _Pending, mode: str, latency_s: float
     best = max(range(len(scores)), key=scores.__getitem__)  # the first of equal scores
     return Answer(labels[best], list(choices.ids[best]), "choice", pending.prompt_tokens,
                   latency_s=latency_s, mode=mode, streams=1, prefill_s=pending.prefill_s,
-                  choice=labels[best], choice_logprobs=logprobs,
+                  choice=labels[best], choices=list(labels), choice_logprobs=logprobs,
                   choice_probs=choice_probabilities(scores))

@@ -77,9 +77,10 @@ def sha256_text(text: str) -> str:
 def job_key(document_sha256: str, questions: list[QuestionInput], params: GenerationParams,
             template_source: str | None = None) -> str:
     """Identity of a job's work: same document, same questions and ids, same parameters (and,
-    for a user template, the same template text)."""
+    for a user template, the same template text; a question's choices, when it has them)."""
     payload = {"document": document_sha256,
-               "questions": [[q.custom_id, q.text] for q in questions],
+               "questions": [[q.custom_id, q.text] if q.choices is None
+                             else [q.custom_id, q.text, list(q.choices)] for q in questions],
                "params": params.to_dict()}
     if template_source is not None:
         payload["template_sha256"] = sha256_text(template_source)
@@ -135,7 +136,8 @@ def _ingest_one(conn: Connection, req: IngestRequest, now, force: bool) -> Inges
         job_key=key, status=QUEUED, priority=req.priority, attempts=0, created_at=now,
         model=req.params.model, template_source=req.template_source)).inserted_primary_key[0]
     conn.execute(insert(Question), [
-        {"job_id": job_id, "position": i, "custom_id": q.custom_id, "text": q.text}
+        {"job_id": job_id, "position": i, "custom_id": q.custom_id, "text": q.text,
+         "choices": None if q.choices is None else list(q.choices)}
         for i, q in enumerate(req.questions)])
     return IngestResult(job_id, doc_id, doc_name, is_new, len(req.questions))
 

@@ -170,6 +170,14 @@ def _m0007_template_source(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE jobs ADD COLUMN template_source TEXT"))
 
 
+def _m0008_choices(conn: Connection) -> None:
+    """questions.choices (the labels of a question answered by choosing), answers.choice and
+    answers.choice_scores (the chosen label; each choice's log-probability and probability)."""
+    conn.execute(text("ALTER TABLE questions ADD COLUMN choices JSON"))
+    conn.execute(text("ALTER TABLE answers ADD COLUMN choice TEXT"))
+    conn.execute(text("ALTER TABLE answers ADD COLUMN choice_scores JSON"))
+
+
 def _json_value(raw) -> dict:
     import json
 
@@ -185,6 +193,7 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("0005_drop_first_token_seconds", _m0005_drop_first_token_seconds),
     ("0006_openai_batches", _m0006_openai_batches),
     ("0007_template_source", _m0007_template_source),
+    ("0008_choices", _m0008_choices),
 ]
 
 

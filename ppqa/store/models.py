@@ -87,6 +87,9 @@ class Question(Base):
     position: Mapped[int] = mapped_column(Integer)  # 0-based order in the questions file
     custom_id: Mapped[str] = mapped_column(String(200))
     text: Mapped[str] = mapped_column(Text)
+    # Added by migration 0008: the labels a question is answered from (a JSON list of
+    # strings), or None for a question whose answer is generated.
+    choices: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
 
     __table_args__ = (UniqueConstraint("job_id", "position"), UniqueConstraint("job_id", "custom_id"))
 
@@ -104,6 +107,10 @@ class Answer(Base):
     total_seconds: Mapped[float | None] = mapped_column(Float)
     worker: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Added by migration 0008, for a question with choices: the chosen label, and every
+    # choice's log-probability and probability ([{"choice", "logprob", "prob"}], in order).
+    choice: Mapped[str | None] = mapped_column(Text)
+    choice_scores: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
 
 
 class Report(Base):

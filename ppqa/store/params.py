@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ppqa.choices import check_norm
 from ppqa.modes import check_mode
 from ppqa.store.errors import InputError
 
@@ -27,6 +28,8 @@ class GenerationParams:
     mode: str = "auto"
     model: str | None = None  # None: whatever model the worker runs
     stop: tuple[str, ...] = ()  # an answer ends before the first of these strings
+    # How the choices of questions that have them are compared (ppqa/choices.py).
+    choice_norm: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (list, tuple)):
@@ -57,6 +60,10 @@ class GenerationParams:
             raise InputError(str(exc)) from None
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise InputError(f"model must be a non-empty name or path, got {self.model!r}")
+        try:
+            check_norm(self.choice_norm)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -64,6 +71,8 @@ class GenerationParams:
             del data["stop"]
         else:
             data["stop"] = list(self.stop)
+        if self.choice_norm == "none":  # likewise jobs that compare choices by their sums
+            del data["choice_norm"]
         return data
 
     @classmethod

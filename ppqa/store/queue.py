@@ -35,6 +35,7 @@ class ClaimedQuestion:
     index: int  # 0-based position in the job's questions
     custom_id: str
     text: str
+    choices: tuple[str, ...] | None = None  # labels to choose from (None: generate)
 
 
 @dataclass
@@ -137,13 +138,15 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
 
 def _unanswered(conn, job_ids: list[int]) -> dict[int, list[ClaimedQuestion]]:
     rows = conn.execute(
-        select(Question.job_id, Question.id, Question.position, Question.custom_id, Question.text)
+        select(Question.job_id, Question.id, Question.position, Question.custom_id, Question.text,
+               Question.choices)
         .outerjoin(Answer, Answer.question_id == Question.id)
         .where(Question.job_id.in_(job_ids), Answer.id.is_(None))
         .order_by(Question.job_id, Question.position))
     out: dict[int, list[ClaimedQuestion]] = {}
-    for job_id, qid, pos, cid, text in rows:
-        out.setdefault(job_id, []).append(ClaimedQuestion(qid, pos, cid, text))
+    for job_id, qid, pos, cid, text, choices in rows:
+        out.setdefault(job_id, []).append(ClaimedQuestion(
+            qid, pos, cid, text, None if choices is None else tuple(choices)))
     return out
 
 
@@ -166,9 +169,11 @@ def heartbeat(db: Database, worker_id: str, job_ids: list[int], lease_seconds: f
 
 def record_answer(db: Database, question_id: int, text: str, token_count: int,
                   finish_reason: str, *, total_seconds: float | None = None,
-                  worker_id: str | None = None) -> bool:
+                  worker_id: str | None = None, choice_scores: list[dict] | None = None) -> bool:
     """Store a question's answer in its own transaction. False if it already had one (the
-    unique constraint keeps the first); StoreError if the question does not exist."""
+    unique constraint keeps the first); StoreError if the question does not exist.
+    `choice_scores` ([{"choice", "logprob", "prob"}]): a chosen answer, whose text is the
+    chosen label."""
     if not finish_reason or len(finish_reason) > 32:
         raise ValueError(f"finish_reason must be 1 to 32 characters, got {finish_reason!r}")
     if token_count < 0:
@@ -178,7 +183,7 @@ def record_answer(db: Database, question_id: int, text: str, token_count: int,
             conn.execute(insert(Answer).values(
                 question_id=question_id, text=text, token_count=token_count,
                 finish_reason=finish_reason, total_seconds=total_seconds, worker=worker_id,
-                created_at=db.now(conn)))
+                created_at=db.now(conn), **_choice_values(text, choice_scores)))
         return True
     except IntegrityError:
         with db.read() as conn:
@@ -187,12 +192,12 @@ def record_answer(db: Database, question_id: int, text: str, token_count: int,
         raise StoreError(f"no question {question_id}") from None
 
 
-def record_answers(db: Database, rows: list[tuple[int, str, int, str, float | None]], *,
-                   worker_id: str | None = None) -> None:
-    """Store many answers (question id, text, tokens, finish reason, total seconds) in one
-    transaction; a question that already has an answer keeps its first one (then each row is
-    written on its own, as `record_answer` does)."""
-    for _, _, tokens, reason, _ in rows:
+def record_answers(db: Database, rows: list[tuple], *, worker_id: str | None = None) -> None:
+    """Store many answers (question id, text, tokens, finish reason, total seconds[, choice
+    scores]) in one transaction; a question that already has an answer keeps its first one
+    (then each row is written on its own, as `record_answer` does)."""
+    rows = [(*row, None) if len(row) == 5 else tuple(row) for row in rows]
+    for _, _, tokens, reason, _, _ in rows:
         if not reason or len(reason) > 32 or tokens < 0:
             raise ValueError(f"bad answer row: {tokens} tokens, finish_reason {reason!r}")
     try:
@@ -200,12 +205,18 @@ def record_answers(db: Database, rows: list[tuple[int, str, int, str, float | No
             now = db.now(conn)
             conn.execute(insert(Answer), [
                 {"question_id": qid, "text": text, "token_count": tokens, "finish_reason": reason,
-                 "total_seconds": seconds, "worker": worker_id, "created_at": now}
-                for qid, text, tokens, reason, seconds in rows])
+                 "total_seconds": seconds, "worker": worker_id, "created_at": now,
+                 **_choice_values(text, scores)}
+                for qid, text, tokens, reason, seconds, scores in rows])
     except IntegrityError:
-        for qid, text, tokens, reason, seconds in rows:
+        for qid, text, tokens, reason, seconds, scores in rows:
             record_answer(db, qid, text, tokens, reason, total_seconds=seconds,
-                          worker_id=worker_id)
+                          worker_id=worker_id, choice_scores=scores)
+
+
+def _choice_values(text: str, scores: list[dict] | None) -> dict:
+    """The answers row's choice columns: every row of one insert names the same columns."""
+    return {"choice": None if scores is None else text, "choice_scores": scores}
 
 
 def _status(conn, job_id: int) -> str:

@@ -87,13 +87,18 @@ def job_detail(db: Database, job_id: int) -> dict:
         questions = conn.execute(
             select(Question.id, Question.position, Question.custom_id, Question.text,
                    Answer.text.label("answer"), Answer.token_count, Answer.finish_reason,
-                   Answer.created_at.label("answered_at"))
+                   Answer.created_at.label("answered_at"), Question.choices,
+                   Answer.choice_scores)
             .outerjoin(Answer, Answer.question_id == Question.id)
             .where(Question.job_id == job_id).order_by(Question.position)).all()
     detail = _job_dict(row, sum(1 for q in questions if q.answer is not None))
     detail["questions_detail"] = [
         {"question_id": q.custom_id, "position": q.position, "question": q.text,
          "answer": q.answer, "tokens": q.token_count, "finish_reason": q.finish_reason,
-         "answered_at": iso(q.answered_at)} for q in questions]
+         "answered_at": iso(q.answered_at),
+         # a question with choices: its labels and, once answered, each one's scores
+         **({} if q.choices is None else {"choices": q.choices,
+                                          "choice_scores": q.choice_scores})}
+        for q in questions]
     detail["reports"] = list_reports(db, job_id)
     return detail

@@ -37,7 +37,8 @@ from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
 from ppqa.store.queue import ClaimedJob
 from ppqa.worker.lease import LeaseKeeper
-from ppqa.worker.report import JobOutcome, JobRun, ProgressSink, WorkerSummary, job_report
+from ppqa.worker.report import (JobOutcome, JobRun, ProgressSink, WorkerSummary, answer_row,
+                                job_report)
 from ppqa.worker.setup import default_worker_id
 
 # An engine that fails this many times in a row is broken, not unlucky: stop the worker rather
@@ -220,7 +221,8 @@ class Worker:
             by_mode.setdefault(mode, []).extend(
                 QuestionRequest(key=(claim.job_id, q.id), document=claim.document_text,
                                 question=q.text, sampling=sampling, template=claim.params.template,
-                                template_source=claim.template_source)
+                                template_source=claim.template_source, choices=q.choices,
+                                choice_norm=claim.params.choice_norm)
                 for q in claim.questions)
         for mode, requests in by_mode.items():
             try:
@@ -251,8 +253,7 @@ class Worker:
         True if a job finished well."""
         if self._answers:
             batch, self._answers = self._answers, []
-            rows = [(qid, a.text, len(a.token_ids), a.finish_reason, a.latency_s)
-                    for _, qid, a in batch]
+            rows = [answer_row(qid, a) for _, qid, a in batch]
             try:
                 queue.record_answers(self.db, rows, worker_id=self.options.worker_id)
                 saved = True

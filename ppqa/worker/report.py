@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from ppqa.choices import score_records
 from ppqa.store import queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.queue import ClaimedJob
@@ -76,7 +77,8 @@ class JobRun:
             tokens = len(answer.token_ids)
             try:
                 queue.record_answer(db, question_id, answer.text, tokens, answer.finish_reason,
-                                    total_seconds=answer.latency_s, worker_id=worker_id)
+                                    total_seconds=answer.latency_s, worker_id=worker_id,
+                                    choice_scores=choice_scores(answer))
             except Exception as exc:  # noqa: BLE001 - the job is then released, not finished
                 still.append((question_id, answer, exc))
                 continue
@@ -85,6 +87,19 @@ class JobRun:
         if still and self.error is None:
             self.error = (f"{len(still)} answer(s) could not be saved: "
                           f"{error_reason(still[-1][2])}")
+
+
+def answer_row(question_id: int, answer) -> tuple:
+    """The row `queue.record_answers` stores for an engine `Answer`."""
+    return (question_id, answer.text, len(answer.token_ids), answer.finish_reason,
+            answer.latency_s, choice_scores(answer))
+
+
+def choice_scores(answer) -> list[dict] | None:
+    """A chosen answer's per-choice scores as the store keeps them; None for a generated one."""
+    if getattr(answer, "choices", None) is None:
+        return None
+    return score_records(answer.choices, answer.choice_logprobs, answer.choice_probs)
 
 
 def job_report(run: JobRun, options, peak_memory_bytes: int = 0,
