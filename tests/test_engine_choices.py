@@ -195,3 +195,31 @@ def test_engine_score_api_checks_its_arguments() -> None:
         engine.score("doc", ["q"], [["a", "b"], ["c", "d"]])
     with pytest.raises(ValueError, match="choice_norm must be one of"):
         engine.score("doc", ["q"], ["a", "b"], norm="bytes")
+
+
+def test_a_large_batch_of_choices_is_split_into_bounded_forwards(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """A scoring forward reads at most a bounded number of logit rows (their logits are rows x
+    vocabulary), unless one question alone reads more; the split changes no log-probability."""
+    from ppqa.engine.runtime import scoring
+
+    engine = tiny_engine("tiny-gqa")
+    tmpl = plain_template(tmp_path)
+    items = workload(random.Random("split"), docs=1)
+    whole = scored(engine, items, tmpl, "parallel")
+    cap, seen = 12, []
+    original = scoring.score_layout
+
+    def spy(requests):
+        plan = original(requests)
+        seen.append((len(requests), plan.logit_indices.numel()))
+        return plan
+
+    monkeypatch.setattr("ppqa.engine.runtime.scheduler.score_layout", spy)
+    monkeypatch.setattr("ppqa.engine.session.split_by_rows",
+                        lambda reqs: scoring.split_by_rows(reqs, cap))
+    split = scored(engine, items, tmpl, "parallel")
+    assert len(seen) > 1 and sum(n for n, _ in seen) == len(items)
+    assert all(rows <= cap or n == 1 for n, rows in seen), seen
+    for i in whole:
+        assert split[i].choice_logprobs == pytest.approx(whole[i].choice_logprobs, abs=1e-5)

@@ -32,7 +32,7 @@ from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.sampling import sample
-from ppqa.engine.runtime.scoring import choice_logprobs
+from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
 from ppqa.engine import scoring
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
 from ppqa.modes import check_mode
@@ -294,9 +294,8 @@ class EngineSession:
             if not ready:
                 break
             worked = True
-            scored = [r for r in ready if r.scoring]
-            if scored:
-                self._score(scored)
+            for batch in split_by_rows([r for r in ready if r.scoring]):
+                self._score(batch)
             for step in self._question_steps([r for r in ready if not r.scoring]):
                 step_begin = time.perf_counter()
                 stats.prefilled_tokens += step.inputs.num_tokens

@@ -28,6 +28,10 @@ import torch
 from ppqa.engine.runtime.layout import DOC_SID, StepLayout
 from ppqa.engine.runtime.request import Request, Stream
 
+# Logit rows one scoring forward reads at most: the step's float32 logits are rows x vocabulary
+# (4096 x 128k x 4 bytes = 2 GiB), so a larger batch of ready questions is split.
+MAX_LOGIT_ROWS = 4096
+
 
 @dataclass
 class ScoreLayout:
@@ -49,6 +53,29 @@ class ScoreLayout:
 def forwards_choices(choice_ids: Sequence[Sequence[int]]) -> bool:
     """Whether a stream's choice tokens go through the model (not when all are one token)."""
     return any(len(c) > 1 for c in choice_ids)
+
+
+def logit_rows(stream: Stream) -> int:
+    """Logit rows a scoring stream reads: its question's last, and all but the last token of
+    each choice it forwards."""
+    if not forwards_choices(stream.choice_ids):
+        return 1
+    return 1 + sum(len(c) - 1 for c in stream.choice_ids)
+
+
+def split_by_rows(requests: Sequence[Request], limit: int = MAX_LOGIT_ROWS) -> list[list[Request]]:
+    """`requests` in order, in batches of at most `limit` logit rows (a request that alone
+    reads more is a batch of its own)."""
+    batches: list[list[Request]] = []
+    rows = 0
+    for req in requests:
+        need = logit_rows(req.streams[0])
+        if not batches or rows + need > limit:
+            batches.append([])
+            rows = 0
+        batches[-1].append(req)
+        rows += need
+    return batches
 
 
 def score_layout(requests: Sequence[Request]) -> ScoreLayout:
