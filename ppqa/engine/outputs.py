@@ -41,11 +41,12 @@ class QuestionRequest:
     # log-probabilities are compared (ppqa/choices.py).
     choices: tuple[str, ...] | None = None
     choice_norm: str = "none"
+    # Answers drawn for this question, each from its own random stream (seeded from the
+    # question's seed and the sample's index, engine/runtime/sampling.py `sample_seed`); each
+    # comes back as its own Answer with `sample` 0..samples-1. Needs a temperature above 0.
+    samples: int = 1
 
     def __post_init__(self) -> None:
-        if self.choices is not None:
-            self.choices = check_choices(self.choices)
-        check_norm(self.choice_norm)
         if not isinstance(self.document, str) or not isinstance(self.question, str):
             raise TypeError("QuestionRequest.document and .question must be strings")
         if self.template_source is not None and not isinstance(self.template_source, str):
@@ -53,6 +54,17 @@ class QuestionRequest:
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"QuestionRequest.sampling must be a SamplingParams, "
                             f"got {type(self.sampling).__name__}")
+        if self.choices is not None:
+            self.choices = check_choices(self.choices)
+        check_norm(self.choice_norm)
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"QuestionRequest.samples must be an integer >= 1, got {self.samples!r}")
+        if self.samples > 1 and self.choices is not None:
+            raise ValueError("samples apply to generated answers: a question with choices is "
+                             "scored once (its log-probabilities do not vary)")
+        if self.samples > 1 and self.sampling.greedy:
+            raise ValueError(f"{self.samples} samples need a temperature above 0: greedy "
+                             "decoding would give the same answer every time")
 
 
 @dataclass
@@ -73,6 +85,7 @@ class Answer:
     # A question with choices: the chosen label (also `text`), and per choice, in the
     # question's order, its summed log-probability and its probability (the softmax of the
     # normalised scores over the choices). None for generated answers.
+    sample: int = 0  # which of the question's `samples` this is
     choice: str | None = None
     choices: list[str] | None = None  # the labels, in the question's order
     choice_logprobs: list[float] | None = None

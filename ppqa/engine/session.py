@@ -31,7 +31,7 @@ from ppqa.engine.outputs import (Answer, InvalidRequestError, PromptTooLongError
 from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
-from ppqa.engine.runtime.sampling import sample
+from ppqa.engine.runtime.sampling import sample, sample_seed
 from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
 from ppqa.engine import scoring
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
@@ -248,8 +248,12 @@ class EngineSession:
                     continue
                 seed = (req.sampling.seed if req.sampling.seed is not None
                         else engine.next_seed())
-                streams.append(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
-                                      seed=seed, prompt_tokens=len(doc_ids) + len(suffix)))
+                # A question's samples are streams of their own, beside each other (parallel
+                # packs them into one row) and sharing the document in every mode.
+                streams.extend(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
+                                      seed=sample_seed(seed, i), sample=i,
+                                      prompt_tokens=len(doc_ids) + len(suffix))
+                               for i in range(req.samples))
             if streams:
                 jobs.append((doc_ids, streams))
         return jobs
@@ -397,7 +401,8 @@ class EngineSession:
             mode, width = modes.get(id(stream), ("stock", 1))
             answer = Answer(stream.text, list(stream.output_ids), stream.finish_reason,
                             stream.prompt_tokens, latency_s=now - self.started, mode=mode,
-                            streams=width, prefill_s=stream.prefill_s, decode_s=stream.decode_s)
+                            streams=width, prefill_s=stream.prefill_s, decode_s=stream.decode_s,
+                            sample=stream.sample)
             self._deliver(stream.key, answer)
 
     def _deliver(self, key: QuestionRequest, answer: Answer) -> None:

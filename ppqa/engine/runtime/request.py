@@ -45,6 +45,7 @@ class Stream:
     # their places among its question's choices. None: a stream that generates.
     choice_ids: list[list[int]] | None = None
     choice_index: list[int] | None = None
+    sample: int = 0  # which of its question's samples this stream draws
 
     @property
     def is_finished(self) -> bool:
