@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ppqa import QuestionRequest, SamplingParams
-from ppqa.engine.runtime.sampling import sample_seed
+from ppqa.config import sample_seed
 from tests.helpers import assert_pool_holds_only_cached_documents, plain_template, text, tiny_engine
 
 N = 5

@@ -34,6 +34,8 @@ Examples:
 
   ppqa ingest reviews.txt aspects.txt --template label --choices "positive,negative,neutral"
 
+  ppqa ingest report.txt questions.txt --samples 8 --temperature 0.8 --seed 7
+
   ppqa ingest --openai-batch requests.jsonl --model smollm2
 """
 
@@ -52,7 +54,7 @@ def ingest(
         "--batch", help='Many documents at once: a .jsonl file, one {"document": "..." | '
                         '"document_path": "...", "questions": [...], "name": ..., "id": ...} a '
                         "line; a line may also set template, max_new_tokens, temperature, top_p, "
-                        "seed, mode, model, priority, choices or choice_norm.",
+                        "seed, mode, model, priority, samples, choices or choice_norm.",
         show_default=False)] = None,
     openai_batch: Annotated[Path | None, typer.Option(
         "--openai-batch", help="An OpenAI Batch file: one {\"custom_id\", \"method\": \"POST\", "
@@ -85,6 +87,9 @@ def ingest(
         help="Answer every question by choosing one of these comma-separated labels, scored "
              "by log-probability (no generation), e.g. --choices \"yes,no,unsure\"; questions "
              "with choices of their own keep them.", show_default=False)] = None,
+    samples: Annotated[int, typer.Option(
+        help="Answers drawn per question, each from its own seed derived from --seed; needs "
+             "--temperature above 0; the export has a row per sample, e.g. --samples 8.")] = 1,
     choice_norm: Annotated[str, typer.Option(
         help=f"How choices are compared: {', '.join(CHOICE_NORMS)} (summed log-probability; "
              "per token; per character, as lm-evaluation-harness's acc_norm), e.g. "
@@ -101,7 +106,8 @@ def ingest(
 
     options = {"template": template, "max_new_tokens": max_new_tokens,
                "temperature": temperature, "top_p": top_p, "seed": seed, "mode": mode,
-               "model": model, "priority": priority, "choice_norm": choice_norm}
+               "model": model, "priority": priority, "choice_norm": choice_norm,
+               "samples": samples}
     limit = int(max_input_mb * 2**20)
     shared = None if choices is None else parse_choices(choices, ",", "--choices")
     if openai_batch is not None:

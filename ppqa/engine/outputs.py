@@ -42,7 +42,7 @@ class QuestionRequest:
     choices: tuple[str, ...] | None = None
     choice_norm: str = "none"
     # Answers drawn for this question, each from its own random stream (seeded from the
-    # question's seed and the sample's index, engine/runtime/sampling.py `sample_seed`); each
+    # question's seed and the sample's index, `config.sample_seed`); each
     # comes back as its own Answer with `sample` 0..samples-1. Needs a temperature above 0.
     samples: int = 1
 

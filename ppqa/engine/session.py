@@ -25,13 +25,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ppqa.config import SamplingParams
+from ppqa.config import SamplingParams, sample_seed
 from ppqa.engine.outputs import (Answer, InvalidRequestError, PromptTooLongError, QuestionRequest,
                                  RunStats)
 from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
-from ppqa.engine.runtime.sampling import sample, sample_seed
+from ppqa.engine.runtime.sampling import sample
 from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
 from ppqa.engine import scoring
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams

@@ -9,7 +9,8 @@ answers survive, and a text cell that a spreadsheet would run as a formula (it s
 =, +, -, @, a tab or a CR: an answer can be steered by its document) gets a leading ' as
 OWASP advises. JSON and JSONL keep every value exactly. When any row is a question with choices,
 the CSV gains the store's CHOICE_COLUMNS, `choice_scores` as compact JSON text (one fixed set
-of columns whatever the labels; the README says why).
+of columns whatever the labels; the README says why); when any is a job of several samples, a
+`sample` column.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from ppqa.store.errors import InputError, OutputError
-from ppqa.store.export import CHOICE_COLUMNS, EXPORT_COLUMNS
+from ppqa.store.export import CHOICE_COLUMNS, EXPORT_COLUMNS, SAMPLE_COLUMN
 
 EXPORT_FORMATS = ("csv", "jsonl", "json")
 # The OpenAI Batch output format (ppqa.openai.batch_out), only by name: its files end in .jsonl.
@@ -86,10 +87,13 @@ def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
         columns = EXPORT_COLUMNS
         if any("choice_scores" in row for row in rows):
             columns += CHOICE_COLUMNS
+        if any(SAMPLE_COLUMN in row for row in rows):
+            columns += (SAMPLE_COLUMN,)
+        optional = (*CHOICE_COLUMNS, SAMPLE_COLUMN)
         writer.writerow(columns)
         for row in rows:
             # A mixed export: rows of questions without choices have no choice fields.
-            writer.writerow([csv_cell(_flat(row.get(c) if c in CHOICE_COLUMNS else row[c]))
+            writer.writerow([csv_cell(_flat(row.get(c) if c in optional else row[c]))
                              for c in columns])
     elif fmt == "jsonl":
         for row in rows:

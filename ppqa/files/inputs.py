@@ -302,7 +302,7 @@ def read_template(template: str, max_bytes: int = MAX_INPUT_BYTES) -> tuple[str,
 
 
 PARAM_KEYS = ("template", "max_new_tokens", "temperature", "top_p", "seed", "mode", "model",
-              "priority", "choice_norm")
+              "priority", "choice_norm", "samples")
 
 
 @dataclass

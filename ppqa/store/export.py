@@ -3,7 +3,9 @@
 Finished jobs by default, chosen jobs with `job_ids`, every job with `include_all`; a question
 not answered yet has an empty answer. A question with choices also gets CHOICE_COLUMNS: the
 chosen label, its probability and log-probability, and every choice's scores
-([{"choice", "logprob", "prob"}], in the question's order). `ppqa.files.export` writes them.
+([{"choice", "logprob", "prob"}], in the question's order). A job of several samples per
+question has a row per answered sample, with its `sample` (0, 1, ...). `ppqa.files.export`
+writes them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ppqa.store.timefmt import iso
 EXPORT_COLUMNS = ("job", "document", "question_id", "question", "answer", "finish_reason",
                   "tokens", "model", "mode", "finished_at")
 CHOICE_COLUMNS = ("choice", "choice_prob", "choice_logprob", "choice_scores")
+SAMPLE_COLUMN = "sample"
 
 
 def export_rows(db: Database, job_ids: list[int] | None = None, include_all: bool = False
@@ -44,11 +47,12 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
         rows = conn.execute(
             select(Question.job_id, Document.name, Question.custom_id, Question.text,
                    Answer.text.label("answer"), Answer.finish_reason, Answer.token_count,
-                   Answer.created_at, Question.choices, Answer.choice, Answer.choice_scores)
+                   Answer.created_at, Question.choices, Answer.choice, Answer.choice_scores,
+                   Answer.sample)
             .join(Job, Job.id == Question.job_id).join(Document, Document.id == Job.document_id)
             .outerjoin(Answer, Answer.question_id == Question.id)
             .where(Question.job_id.in_(list(jobs)))
-            .order_by(Question.job_id, Question.position)).all()
+            .order_by(Question.job_id, Question.position, Answer.sample)).all()
     out = []
     for r in rows:
         params = jobs[r.job_id] or {}
@@ -59,6 +63,8 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
                "finished_at": iso(r.created_at)}
         if r.choices is not None:
             row.update(_choice_fields(r.choice, r.choice_scores))
+        if params.get("samples", 1) > 1:
+            row[SAMPLE_COLUMN] = r.sample
         out.append(row)
     return out
 

@@ -16,6 +16,7 @@ from ppqa.store.errors import InputError
 
 MAX_SEED = 2**63 - 1  # the sampler's seeds are int64 (engine/runtime/sampling.py)
 MAX_NEW_TOKENS = 1_000_000  # beyond any model's context
+MAX_SAMPLES = 1024  # answers per question
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class GenerationParams:
     stop: tuple[str, ...] = ()  # an answer ends before the first of these strings
     # How the choices of questions that have them are compared (ppqa/choices.py).
     choice_norm: str = "none"
+    # Answers drawn per question, each from its own seed (`config.sample_seed`); more than one
+    # needs a temperature above 0.
+    samples: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (list, tuple)):
@@ -60,6 +64,13 @@ class GenerationParams:
             raise InputError(str(exc)) from None
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise InputError(f"model must be a non-empty name or path, got {self.model!r}")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) \
+                or not 1 <= self.samples <= MAX_SAMPLES:
+            raise InputError(f"samples must be a whole number from 1 to {MAX_SAMPLES}, "
+                             f"got {self.samples!r}")
+        if self.samples > 1 and self.temperature == 0:
+            raise InputError(f"{self.samples} samples need a temperature above 0: greedy "
+                             "decoding gives the same answer every time")
         try:
             check_norm(self.choice_norm)
         except ValueError as exc:
@@ -73,6 +84,8 @@ class GenerationParams:
             data["stop"] = list(self.stop)
         if self.choice_norm == "none":  # likewise jobs that compare choices by their sums
             del data["choice_norm"]
+        if self.samples == 1:  # and jobs of one answer per question
+            del data["samples"]
         return data
 
     @classmethod

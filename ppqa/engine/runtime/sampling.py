@@ -13,7 +13,6 @@ to the scheduler.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -37,16 +36,6 @@ class SamplingBatch:
             if getattr(self, name).shape != (rows,):
                 raise ValueError(f"SamplingBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
                                  f"expected ({rows},)")
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample `index` of a question whose seed is `seed`: the seed itself for
-    sample 0 (so one sample is the plain answer), else a 63-bit hash of (seed, index), so
-    that the samples draw unrelated noise and each is reproducible on its own."""
-    if index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
