@@ -26,15 +26,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ppqa.config import SamplingParams, sample_seed
+from ppqa.engine import scoring
 from ppqa.engine.outputs import (Answer, InvalidRequestError, PromptTooLongError, QuestionRequest,
                                  RunStats)
 from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.sampling import sample
-from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
-from ppqa.engine import scoring
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
+from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
 from ppqa.modes import check_mode
 
 AnswerCallback = Callable[[QuestionRequest, Answer], None]
@@ -230,14 +230,14 @@ class EngineSession:
                     self._reject(req, _input_error(error))
                 continue
             doc_ids, streams = list(prompt.prefix_ids), []
-            for i, (req, suffix) in enumerate(zip(reqs, prompt.suffix_ids)):
+            for q, (req, suffix) in enumerate(zip(reqs, prompt.suffix_ids)):
                 if req.choices is not None:
-                    stream = scoring.question_stream(req, suffix, prompt.choices[i], len(doc_ids))
+                    stream = scoring.question_stream(req, suffix, prompt.choices[q], len(doc_ids))
                     error = engine.fit_error(len(doc_ids), stream.reserve_tokens, 0)
                     if error is not None:
                         self._reject(req, error)
                         continue
-                    self._scores.expect(req, prompt.choices[i], stream.prompt_tokens)
+                    self._scores.expect(req, prompt.choices[q], stream.prompt_tokens)
                     streams.append(stream)
                     continue
                 error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
