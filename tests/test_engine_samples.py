@@ -53,6 +53,23 @@ def test_samples_differ_and_every_mode_gives_the_same(preset: str, tmp_path: Pat
     assert_pool_holds_only_cached_documents(engine)
 
 
+def test_parallel_forwards_a_sampled_question_once(tmp_path: Path) -> None:
+    """In parallel, a question's samples share its tokens in their row (as a document is
+    shared); stock forwards the question once per sample."""
+    tmpl = plain_template(tmp_path)
+    reqs = requests(tmpl, seed=5)
+    prefilled = {}
+    for mode in ("stock", "parallel"):
+        engine = tiny_engine("tiny-gqa")
+        prefilled[mode] = engine.run(reqs, mode=mode, streams=N).prefilled_tokens
+    question_tokens = 0  # as the engine tokenizes them: after the questions' common opening
+    for doc in dict.fromkeys(r.document for r in reqs):
+        asked = [r.question for r in reqs if r.document == doc]
+        prompt = engine.tokenizer.prompt(tmpl, doc, asked).with_common_opening()
+        question_tokens += sum(map(len, prompt.suffix_ids))
+    assert prefilled["stock"] - prefilled["parallel"] == (N - 1) * question_tokens
+
+
 def test_samples_reproduce_and_sample_zero_is_the_single_answer(tmp_path: Path) -> None:
     engine = tiny_engine("tiny-gqa")
     tmpl = plain_template(tmp_path)

@@ -248,8 +248,8 @@ class EngineSession:
                     continue
                 seed = (req.sampling.seed if req.sampling.seed is not None
                         else engine.next_seed())
-                # A question's samples are streams of their own, beside each other (parallel
-                # packs them into one row) and sharing the document in every mode.
+                # A question's samples are streams of their own, sharing the document in every
+                # mode and, in parallel, the question too (see `_requests`).
                 streams.extend(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
                                       seed=sample_seed(seed, i), sample=i,
                                       prompt_tokens=len(doc_ids) + len(suffix))
@@ -263,9 +263,26 @@ class EngineSession:
         key = document_key(doc_ids)  # hashed once per document, not once per request
         if mode != "parallel":
             return [Request(doc_ids, [s], width=1, doc_key=key, mode=mode) for s in streams]
-        sizes = [len(s.suffix_ids) + s.sampling.max_new_tokens for s in streams]
-        return [Request(doc_ids, [streams[i] for i in group], width=width, doc_key=key, mode=mode)
-                for group in pack_streams(sizes, width, len(doc_ids), self.engine.kv_capacity)]
+        # Streams of one question (its samples, or the same question asked twice) share it in
+        # their rows: [doc][question][answers], the question's tokens forwarded once.
+        by_question: dict[tuple[int, ...], list[Stream]] = {}
+        for s in streams:
+            by_question.setdefault(tuple(s.suffix_ids), []).append(s)
+        single = [g[0] for g in by_question.values() if len(g) == 1]
+        out = []
+        for group in (g for g in by_question.values() if len(g) > 1):
+            question = group[0].suffix_ids
+            sizes = [s.sampling.max_new_tokens for s in group]
+            out.extend(Request(doc_ids, [group[i] for i in part], width=width, doc_key=key,
+                               mode=mode, shared_question=list(question))
+                       for part in pack_streams(sizes, width, len(doc_ids) + len(question),
+                                                self.engine.kv_capacity))
+        sizes = [len(s.suffix_ids) + s.sampling.max_new_tokens for s in single]
+        out.extend(Request(doc_ids, [single[i] for i in group], width=width, doc_key=key,
+                           mode=mode)
+                   for group in (pack_streams(sizes, width, len(doc_ids), self.engine.kv_capacity)
+                                 if single else []))
+        return out
 
     # ---- schedule, run, postprocess ----------------------------------------------------------
 

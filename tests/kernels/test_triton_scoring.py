@@ -33,3 +33,29 @@ def test_scoring_on_triton_matches_torch_stock():
     for mode in ("parallel", "cascade", "stock"):
         torch.testing.assert_close(logprobs("triton", mode), expected, rtol=1e-4, atol=1e-4,
                                    msg=f"mode {mode} on the Triton backend")
+
+
+def test_samples_sharing_their_question_on_triton_match_torch_stock():
+    """A question's samples in one parallel row behind the question they share (stream -1
+    after the document), decoded on the Triton kernels: the tokens of torch `stock`."""
+    from ppqa import QuestionRequest, SamplingParams
+
+    device = "cuda" if ON_GPU else "cpu"
+    engines = {backend: Engine("dummy:tiny-gqa", device=device, dtype="float32",
+                               config=EngineConfig(attention_backend=backend,
+                                                   kv_token_budget=8192, mem_fraction=0.05))
+               for backend in ("torch", "triton")}
+    sampling = SamplingParams(max_new_tokens=3, temperature=1.5, seed=4, ignore_eos=True)
+    requests = [QuestionRequest(i, DOCUMENT * REPEAT, q, sampling, samples=3)
+                for i, q in enumerate(QUESTIONS[:COUNT])]
+
+    def tokens(backend: str, mode: str) -> dict:
+        got = {}
+        engines[backend].run(requests, mode=mode, streams=3 if mode == "parallel" else None,
+                             on_answer=lambda r, a: got.__setitem__((r.key, a.sample),
+                                                                    a.token_ids))
+        return got
+
+    expected = tokens("torch", "stock")
+    assert len(expected) == 3 * COUNT
+    assert tokens("triton", "parallel") == expected

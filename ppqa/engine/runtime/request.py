@@ -78,6 +78,9 @@ class Request:
     prefix_len: int = 0  # row tokens cached so far
     doc_key: bytes = b""  # document_key(doc_ids); computed here unless the caller shares one
     mode: str = "stock"  # how it decodes: "stock" | "cascade" (width 1) | "parallel" (width P)
+    # A parallel request of samples of one question: the question's tokens, once in the row
+    # after the document (stream -1, seen by every stream), and the streams' answers after it.
+    shared_question: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.streams) <= self.width:
@@ -117,11 +120,15 @@ class Request:
     @property
     def prefill_tokens(self) -> int:
         """Tokens its prefill step forwards: its questions (and a scoring stream's choices)."""
+        if self.shared_question is not None:
+            return len(self.shared_question)
         return sum(len(s.suffix_ids) + s.choice_tokens for s in self.streams)
 
     @property
     def reserve_tokens(self) -> int:
         """KV slots to hold every question and its full answer budget (beyond the document)."""
+        if self.shared_question is not None:
+            return len(self.shared_question) + sum(s.sampling.max_new_tokens for s in self.streams)
         return sum(s.reserve_tokens for s in self.streams)
 
     @property
@@ -136,8 +143,12 @@ class Request:
     def start_answers(self) -> None:
         """After the question prefill: every real stream is live at its first answer position."""
         n = len(self.streams)
-        self.prefix_len = self.doc_len + sum(self.question_lens)
-        self.next_pos[:n] = [self.doc_len + q for q in self.question_lens]
+        if self.shared_question is not None:
+            self.prefix_len = self.doc_len + len(self.shared_question)
+            self.next_pos[:n] = self.prefix_len
+        else:
+            self.prefix_len = self.doc_len + sum(self.question_lens)
+            self.next_pos[:n] = [self.doc_len + q for q in self.question_lens]
         self.live[:n] = [not s.cancelled for s in self.streams]
 
     def cancel(self, s: int) -> None:

@@ -261,8 +261,16 @@ class Scheduler:
         ids, positions, sids, rows, lasts, counts, bases = [], [], [], [], [], [], []
         offset = rows_out = 0
         for req in requests:
-            layout, last = question_layout(req.doc_len, req.question_lens)
-            ids.extend(i for s in req.streams for i in s.suffix_ids)
+            if req.shared_question is not None:
+                # One question for every stream: written once, as the document is; each
+                # stream's first token comes from its last position.
+                q_len = len(req.shared_question)
+                layout = document_layout(req.doc_len, req.doc_len + q_len)
+                last = torch.full((len(req.streams),), q_len - 1, dtype=torch.int64)
+                ids.extend(req.shared_question)
+            else:
+                layout, last = question_layout(req.doc_len, req.question_lens)
+                ids.extend(i for s in req.streams for i in s.suffix_ids)
             positions.append(layout.positions)
             sids.append(layout.q_sid)
             rows.append(layout.row_pos)
