@@ -8,6 +8,7 @@ and the job store can build and validate them cheaply. The engine (`engine/engin
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -74,6 +75,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a question whose seed is `seed`: the seed itself for
+    sample 0 (so one sample is the plain answer), else a 63-bit hash of (seed, index), so that
+    the samples draw unrelated noise (engine/runtime/sampling.py) and each is reproducible on
+    its own, whichever of them a run draws."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 `smollm2_gguf` (session) pulls the embedded model once into a cache shared across tests and runs
 (`$PPQA_TEST_MODELS`, default `~/.cache/ppqa-test-models`); `smollm2` (per test) links that file
 into the test's own `$PPQA_HOME` (tests/conftest.py points it at a temp dir), so `Engine("smollm2")`
-and `load_model("smollm2")` find it without another download. The transformers twin that the loader
-tests compare with is `tests.helpers.hf_twin`.
+and `load_model("smollm2")` find it without another download. `hf_smollm2` (per module) is transformers'
+own model from the same file. The transformers twin that the loader tests compare with is
+`tests.helpers.hf_twin`.
 
 Registered for the whole suite by `pytest_plugins = ["tests.fixtures_models"]` in tests/conftest.py.
 """
@@ -41,3 +42,16 @@ def smollm2(smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             target.unlink()
         target.symlink_to(smollm2_gguf)
     return target
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_gguf: Path):
+    """transformers' own LlamaForCausalLM from the SmolLM2 GGUF (fp32, eval): the reference
+    that no one here wrote. Module-scoped: each test file that needs it loads it once."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32,
+        local_files_only=True)
+    return model.eval()

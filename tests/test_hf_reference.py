@@ -28,17 +28,6 @@ QUESTIONS = ["Who is the tower named after?", "How tall is the tower?",
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_gguf):
-    """transformers' own LlamaForCausalLM from the SmolLM2 GGUF (fp32, eval)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32,
-        local_files_only=True)
-    return model.eval()
-
-
 def test_loader_weights_and_config_match_transformers(smollm2, hf_smollm2):
     ours = load_model("smollm2")
     c, hc = ours.config, hf_smollm2.config

@@ -12,8 +12,9 @@ import typer
 
 from ppqa.cli.common import JsonOption, open_store, print_json, say
 from ppqa.store.errors import InputError
-from ppqa.files.inputs import (MAX_INPUT_BYTES, read_batch, read_document, read_json_schema,
-                               read_questions, read_template)
+from ppqa.choices import CHOICE_NORMS
+from ppqa.files.inputs import (MAX_INPUT_BYTES, parse_choices, read_batch, read_document,
+                               read_json_schema, read_questions, read_template, with_choices)
 from ppqa.modes import MODES
 from ppqa.store.params import GenerationParams
 
@@ -33,6 +34,10 @@ Examples:
 
   ppqa ingest report.txt questions.txt --json-schema record.json
 
+  ppqa ingest reviews.txt aspects.txt --template label --choices "positive,negative,neutral"
+
+  ppqa ingest report.txt questions.txt --samples 8 --temperature 0.8 --seed 7
+
   ppqa ingest --openai-batch requests.jsonl --model smollm2
 """
 
@@ -44,13 +49,15 @@ def ingest(
         help="The document: a UTF-8 text file, or - for standard input.", show_default=False)] = None,
     questions: Annotated[str | None, typer.Argument(
         help="Questions: .txt (one a line; blank lines and # comments skipped), .jsonl "
-             '({"question": ..., "id": ...} a line) or .csv (a question column, optional id).',
+             '({"question": ..., "id": ..., "choices": [...]} a line) or .csv (a question '
+             "column, optional id and choices, the labels separated by |).",
         show_default=False)] = None,
     batch: Annotated[Path | None, typer.Option(
         "--batch", help='Many documents at once: a .jsonl file, one {"document": "..." | '
                         '"document_path": "...", "questions": [...], "name": ..., "id": ...} a '
                         "line; a line may also set template, max_new_tokens, temperature, top_p, "
-                        "seed, mode, model, priority or json_schema.", show_default=False)] = None,
+                        "seed, mode, model, priority, samples, choices, choice_norm or "
+                        "json_schema.", show_default=False)] = None,
     openai_batch: Annotated[Path | None, typer.Option(
         "--openai-batch", help="An OpenAI Batch file: one {\"custom_id\", \"method\": \"POST\", "
                                '"url": "/v1/chat/completions", "body": {...}} a line. Prompts are '
@@ -78,6 +85,17 @@ def ingest(
     seed: Annotated[int, typer.Option(help="Sampling seed (per question), e.g. --seed 7.")] = 0,
     priority: Annotated[int, typer.Option(
         help="Higher runs first, e.g. --priority 10.")] = 0,
+    choices: Annotated[str | None, typer.Option(
+        help="Answer every question by choosing one of these comma-separated labels, scored "
+             "by log-probability (no generation), e.g. --choices \"yes,no,unsure\"; questions "
+             "with choices of their own keep them.", show_default=False)] = None,
+    samples: Annotated[int, typer.Option(
+        help="Answers drawn per question, each from its own seed derived from --seed; needs "
+             "--temperature above 0; the export has a row per sample, e.g. --samples 8.")] = 1,
+    choice_norm: Annotated[str, typer.Option(
+        help=f"How choices are compared: {', '.join(CHOICE_NORMS)} (summed log-probability; "
+             "per token; per character, as lm-evaluation-harness's acc_norm), e.g. "
+             "--choice-norm char.")] = "none",
     force: Annotated[bool, typer.Option(
         "--force", help="Queue the job even if an identical one is already in the store.")] = False,
     json_schema: Annotated[Path | None, typer.Option(
@@ -95,16 +113,23 @@ def ingest(
 
     options = {"template": template, "max_new_tokens": max_new_tokens,
                "temperature": temperature, "top_p": top_p, "seed": seed, "mode": mode,
-               "model": model, "priority": priority}
+               "model": model, "priority": priority, "choice_norm": choice_norm,
+               "samples": samples}
     limit = int(max_input_mb * 2**20)
     if json_schema is not None:
         if openai_batch is not None:
             raise InputError("--json-schema does not apply to --openai-batch (a request asks "
                              "for JSON with its own response_format)")
         options["json_schema"] = read_json_schema(json_schema, limit)
+    shared = None if choices is None else parse_choices(choices, ",", "--choices")
+    if shared is not None and json_schema is not None:
+        raise InputError("--choices and --json-schema do not go together: a question with "
+                         "choices is answered by choosing one, not by generating JSON")
     if openai_batch is not None:
         if document is not None or questions is not None or batch is not None or name:
             raise InputError("--openai-batch FILE takes no DOCUMENT, QUESTIONS, --batch or --name")
+        if shared is not None:
+            raise InputError("--choices does not apply to --openai-batch requests")
         _ingest_openai_batch(ctx, openai_batch, model or "smollm2", priority, force, json_out,
                              limit)
         return
@@ -113,7 +138,7 @@ def ingest(
             raise InputError("give either DOCUMENT QUESTIONS or --batch FILE, not both")
         if name is not None:
             raise InputError("--name applies to one document; in a batch give each line a name")
-        requests = [_request(item.document_text, item.name, item.questions,
+        requests = [_request(item.document_text, item.name, _chosen(item.questions, shared),
                              {**options, **item.overrides}, item.where, limit)
                     for item in read_batch(batch, limit)]
     else:
@@ -122,7 +147,8 @@ def ingest(
                              "see 'ppqa ingest --help'")
         text, default_name = read_document(document, limit)
         requests = [_request(text, name or default_name,
-                             read_questions(questions, limit), options, "", limit)]
+                             _chosen(read_questions(questions, limit), shared), options, "",
+                             limit)]
     results = ingest_jobs(open_store(ctx, create=True), requests, force=force)
     if json_out:
         print_json([r.to_dict() for r in results] if batch is not None else results[0].to_dict())
@@ -153,6 +179,10 @@ def _ingest_openai_batch(ctx, path: Path, model: str, priority: int, force: bool
         for r in results:
             print(r.job_id)
     say(f"queued batch {batch.public_id} for model {model}: {plan.summary()}")
+
+
+def _chosen(questions, shared):
+    return questions if shared is None else with_choices(questions, shared)
 
 
 def _request(text, name, questions, options: dict, where: str, limit: int):

@@ -95,9 +95,18 @@ def questions_table(questions: list[dict]) -> Table:
     table.add_column("Tokens", justify="right")
     for q in questions:
         answer = Text(q["answer"]) if q["answer"] is not None else Text("(not yet)", style="dim")
-        table.add_row(q["question_id"], q["question"], answer, q["finish_reason"] or "",
+        if q.get("choice_scores"):
+            answer.append("\n" + choice_line(q["choice_scores"]), style="dim")
+        qid = q["question_id"] if "sample" not in q else f"{q['question_id']} #{q['sample']}"
+        table.add_row(qid, q["question"], answer, q["finish_reason"] or "",
                       _num(q["tokens"]))
     return table
+
+
+def choice_line(scores: list[dict]) -> str:
+    """Every choice with its probability, most likely first: "yes 0.91 · no 0.07"."""
+    ranked = sorted(scores, key=lambda s: -s["prob"])
+    return " · ".join(f"{s['choice']} {s['prob']:.2f}" for s in ranked)
 
 
 def _mib(value) -> str:

@@ -50,9 +50,9 @@ class Counters:
             if self.started is None:
                 self.started = time.monotonic()
             for c in claims:
-                self.claimed[c.job_id] = len(c.questions)
+                self.claimed[c.job_id] = c.answers_wanted
                 doc = self.in_flight.setdefault(c.document_id, [c.document_name, 0, 0, 0])
-                doc[2] += len(c.questions)
+                doc[2] += c.answers_wanted
                 doc[3] += 1
             self._recount(waiting)
 
@@ -243,9 +243,9 @@ class RichProgress(_Base):
             task = self.doc_tasks.get(c.document_id)
             if task is None:
                 self.doc_tasks[c.document_id] = self.bars.add_task(
-                    f"  {c.document_name[:40]}", total=len(c.questions), rate="")
+                    f"  {c.document_name[:40]}", total=c.answers_wanted, rate="")
             else:
-                self.bars.update(task, total=self.bars.tasks[task].total + len(c.questions))
+                self.bars.update(task, total=self.bars.tasks[task].total + c.answers_wanted)
 
     def answered(self, claim, answer_tokens: int) -> None:
         self.counters.answer(claim, answer_tokens)

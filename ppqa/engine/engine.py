@@ -5,7 +5,8 @@
     session() -> an `EngineSession` (engine/session.py): questions submitted while it runs,
     each step schedules (admit, prefill), runs (decode) and postprocesses (answers out).
     run(requests) -> a session fed once and drained; answers handed to `on_answer`.
-`answer(document, questions)` is `run` for one document, returning answers in question order.
+`answer(document, questions)` is `run` for one document, returning answers in question order;
+`score(document, questions, choices)` the same for questions answered by choosing a label.
 The document cache outlives sessions, so a document is prefilled once per engine.
 """
 
@@ -114,6 +115,36 @@ class Engine:
             answers[request.key] = answer
 
         self.run(requests, mode=mode, streams=streams, on_answer=keep)
+        return [answers[i] for i in range(len(questions))]
+
+    def score(self, document: str, questions: Sequence[str],
+              choices: Sequence[str] | Sequence[Sequence[str]], *, template: str = "label",
+              norm: str = "none", mode: str = "auto") -> list[Answer]:
+        """Each question answered by the most likely of its choices, in question order: no
+        generation, one forward over the questions and their choices (engine/scoring.py).
+        `choices`: one list of labels for every question, or one list per question; `norm`:
+        how choices are compared (ppqa/choices.py: none, token or char). Each Answer holds
+        `choice`, `choice_logprobs` and `choice_probs` in the choices' order."""
+        if isinstance(questions, str):
+            raise TypeError("questions must be a sequence of strings, not one string")
+        if len(questions) == 0:
+            raise ValueError("no questions: give at least one question about the document")
+        if isinstance(choices, str) or not choices:
+            raise ValueError("choices must be a list of labels, or one list per question")
+        per_question = ([list(choices)] * len(questions) if isinstance(choices[0], str)
+                        else [list(c) for c in choices])
+        if len(per_question) != len(questions):
+            raise ValueError(f"{len(per_question)} choice lists for {len(questions)} questions")
+        requests = [QuestionRequest(i, document, q, template=template, choices=tuple(c),
+                                    choice_norm=norm)
+                    for i, (q, c) in enumerate(zip(questions, per_question))]
+        answers: dict[int, Answer] = {}
+
+        def keep(request: QuestionRequest, answer: Answer) -> None:
+            answer.question_index = request.key
+            answers[request.key] = answer
+
+        self.run(requests, mode=mode, on_answer=keep)
         return [answers[i] for i in range(len(questions))]
 
     def session(self, on_answer: Callable[[QuestionRequest, Answer], None] | None = None,

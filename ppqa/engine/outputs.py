@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ppqa.choices import check_choices, check_norm
 from ppqa.config import SamplingParams
+
+
+FINISH_REASONS = ("stop", "length", "choice")
 
 
 class PromptTooLongError(ValueError):
@@ -32,6 +36,15 @@ class QuestionRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     template: str = "qa"  # a built-in name or a .jinja path (a label when template_source is set)
     template_source: str | None = None  # the template's text, rendered instead of `template`
+    # Labels to choose from: the answer is the one whose tokens are most likely after the
+    # prompt (no generation; see engine/scoring.py). `choice_norm`: how the choices' summed
+    # log-probabilities are compared (ppqa/choices.py).
+    choices: tuple[str, ...] | None = None
+    choice_norm: str = "none"
+    # Answers drawn for this question, each from its own random stream (seeded from the
+    # question's seed and the sample's index, `config.sample_seed`); each
+    # comes back as its own Answer with `sample` 0..samples-1. Needs a temperature above 0.
+    samples: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.document, str) or not isinstance(self.question, str):
@@ -41,13 +54,25 @@ class QuestionRequest:
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"QuestionRequest.sampling must be a SamplingParams, "
                             f"got {type(self.sampling).__name__}")
+        if self.choices is not None:
+            self.choices = check_choices(self.choices)
+        check_norm(self.choice_norm)
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(f"QuestionRequest.samples must be an integer >= 1, got {self.samples!r}")
+        if self.samples > 1 and self.choices is not None:
+            raise ValueError("samples apply to generated answers: a question with choices is "
+                             "scored once (its log-probabilities do not vary)")
+        if self.samples > 1 and self.sampling.greedy:
+            raise ValueError(f"{self.samples} samples need a temperature above 0: greedy "
+                             "decoding would give the same answer every time")
 
 
 @dataclass
 class Answer:
     text: str
     token_ids: list[int]  # generated ids; an EOS that ended the answer is not included
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_new_tokens)
+    # "stop" (EOS or a stop string) | "length" (max_new_tokens) | "choice" (a scored choice)
+    finish_reason: str
     prompt_tokens: int  # document prefix + question suffix
     question_index: int = 0  # position in the question list of `Engine.answer`
     latency_s: float = 0.0  # from the start of the session to this answer
@@ -57,10 +82,19 @@ class Answer:
     # document and question, and of the decode steps that fed it (see engine/session.py).
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # A question with choices: the chosen label (also `text`), and per choice, in the
+    # question's order, its summed log-probability and its probability (the softmax of the
+    # normalised scores over the choices). None for generated answers.
+    sample: int = 0  # which of the question's `samples` this is
+    choice: str | None = None
+    choices: list[str] | None = None  # the labels, in the question's order
+    choice_logprobs: list[float] | None = None
+    choice_probs: list[float] | None = None
 
     def __post_init__(self) -> None:
-        if self.finish_reason not in ("stop", "length"):
-            raise ValueError(f"Answer.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Answer.finish_reason must be one of {', '.join(FINISH_REASONS)}, "
+                             f"got {self.finish_reason!r}")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
     submit(requests) -> prompts per (template, document) -> checks (context, pool) -> a mode per
         document group (auto: the cost model) -> requests of P streams (parallel) or one
-        question each (stock, cascade) -> the scheduler's queue
+        question each (stock, cascade) -> the scheduler's queue; questions with choices
+        become scoring requests (engine/scoring.py), which a prefill step answers whole
     step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
               while others decode, so they keep producing tokens)
            -> run: one decode step per kind of request (every width-1 request in one step,
@@ -27,7 +28,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ppqa.config import SamplingParams
+from ppqa.config import SamplingParams, sample_seed
+from ppqa.engine import scoring
 from ppqa.engine.outputs import (Answer, InvalidRequestError, PromptTooLongError, QuestionRequest,
                                  RunStats)
 from ppqa.engine.runtime import cost_model
@@ -35,6 +37,7 @@ from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.sampling import sample
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler, pack_streams
+from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
 from ppqa.modes import check_mode
 
 AnswerCallback = Callable[[QuestionRequest, Answer], None]
@@ -83,6 +86,7 @@ class EngineSession:
         self._in_flight: _Launched | None = None
         self._last_read = 0.0  # when the last decode step's tokens came back
         self._modes: set[str] = set()
+        self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
         tokenizer = engine.tokenizer
         self._eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
         self._cuda = engine.device.type == "cuda"
@@ -105,6 +109,13 @@ class EngineSession:
         engine = self.engine
         accepted = 0
         for doc_ids, group in self._prepare(requests):
+            scored = [s for s in group if s.choice_ids is not None]
+            group = [s for s in group if s.choice_ids is None]
+            if scored:
+                self._submit_scored(doc_ids, scored, scoring.scoring_mode(mode))
+                accepted += len(scored)
+            if not group:
+                continue
             chosen, width = choose_plan(mode, streams, len(doc_ids), group, engine.model_config,
                                         engine.device.type, engine.dtype.itemsize,
                                         engine.config.default_streams)
@@ -116,10 +127,18 @@ class EngineSession:
         self.stats.mode = next(iter(self._modes)) if len(self._modes) == 1 else "mixed"
         return accepted
 
+    def _submit_scored(self, doc_ids: list[int], streams: list[Stream], mode: str) -> None:
+        key = document_key(doc_ids)
+        self._modes.add(mode)
+        for whole in streams:
+            for stream in scoring.streams_for_mode(whole, mode):
+                self.sched.add(Request(doc_ids, [stream], width=1, doc_key=key, mode=mode))
+
     def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
         """Drop the questions that `doomed(request)` picks, queued or running: they get no
         answer, and their KV and rows are free for others at once. Returns how many."""
-        dropped = len(self.sched.cancel(doomed))
+        dropped = len({id(s.key) for s in self.sched.cancel(doomed)})  # a question, not a choice
+        self._scores.drop(doomed)
         self.stats.cancelled += dropped
         return dropped
 
@@ -136,8 +155,8 @@ class EngineSession:
     def open_questions(self) -> int:
         """Questions submitted and not yet answered, rejected or cancelled."""
         sched = self.sched
-        return sum(1 for r in [*sched.waiting, *sched.prefilling, *sched.running]
-                   for st in r.streams if not st.cancelled and not st.is_finished)
+        return len({id(st.key) for r in [*sched.waiting, *sched.prefilling, *sched.running]
+                    for st in r.streams if not st.cancelled and not st.is_finished})
 
     def has_work(self) -> bool:
         return self.sched.has_work() or self._in_flight is not None
@@ -201,10 +220,12 @@ class EngineSession:
             groups.setdefault((req.template, req.template_source, req.document), []).append(req)
         jobs = []
         for (template, source, document), reqs in groups.items():
+            choices = ([r.choices for r in reqs] if any(r.choices is not None for r in reqs)
+                       else None)
             try:
                 _check_size(engine, document, reqs)
                 prompt = engine.tokenizer.prompt(template, document, [r.question for r in reqs],
-                                                 template_source=source)
+                                                 template_source=source, choices=choices)
                 if engine.config.share_question_prefix:
                     prompt = prompt.with_common_opening()
             except Exception as error:  # noqa: BLE001 - bad input fails its own questions
@@ -212,7 +233,16 @@ class EngineSession:
                     self._reject(req, _input_error(error))
                 continue
             doc_ids, streams = list(prompt.prefix_ids), []
-            for req, suffix in zip(reqs, prompt.suffix_ids):
+            for q, (req, suffix) in enumerate(zip(reqs, prompt.suffix_ids)):
+                if req.choices is not None:
+                    stream = scoring.question_stream(req, suffix, prompt.choices[q], len(doc_ids))
+                    error = engine.fit_error(len(doc_ids), stream.reserve_tokens, 0)
+                    if error is not None:
+                        self._reject(req, error)
+                        continue
+                    self._scores.expect(req, prompt.choices[q], stream.prompt_tokens)
+                    streams.append(stream)
+                    continue
                 error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
                 if error is None:
                     error = _sampling_error(req.sampling)
@@ -227,9 +257,15 @@ class EngineSession:
                     continue
                 seed = (req.sampling.seed if req.sampling.seed is not None
                         else engine.next_seed())
-                streams.append(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
-                                      seed=seed, prompt_tokens=len(doc_ids) + len(suffix),
-                                      matcher=matcher))
+                # A question's samples are streams of their own, sharing the document in every
+                # mode and, in parallel, the question too (see `_requests`); each follows the
+                # JSON schema, if any, with a matcher of its own.
+                streams.extend(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
+                                      seed=sample_seed(seed, i), sample=i,
+                                      prompt_tokens=len(doc_ids) + len(suffix),
+                                      matcher=matcher if i == 0 or matcher is None
+                                      else engine.grammars.matcher(req.sampling.json_schema))
+                               for i in range(req.samples))
             if streams:
                 jobs.append((doc_ids, streams))
         return jobs
@@ -239,9 +275,26 @@ class EngineSession:
         key = document_key(doc_ids)  # hashed once per document, not once per request
         if mode != "parallel":
             return [Request(doc_ids, [s], width=1, doc_key=key, mode=mode) for s in streams]
-        sizes = [len(s.suffix_ids) + s.sampling.max_new_tokens for s in streams]
-        return [Request(doc_ids, [streams[i] for i in group], width=width, doc_key=key, mode=mode)
-                for group in pack_streams(sizes, width, len(doc_ids), self.engine.kv_capacity)]
+        # Streams of one question (its samples, or the same question asked twice) share it in
+        # their rows: [doc][question][answers], the question's tokens forwarded once.
+        by_question: dict[tuple[int, ...], list[Stream]] = {}
+        for s in streams:
+            by_question.setdefault(tuple(s.suffix_ids), []).append(s)
+        single = [g[0] for g in by_question.values() if len(g) == 1]
+        out = []
+        for group in (g for g in by_question.values() if len(g) > 1):
+            question = group[0].suffix_ids
+            sizes = [s.sampling.max_new_tokens for s in group]
+            out.extend(Request(doc_ids, [group[i] for i in part], width=width, doc_key=key,
+                               mode=mode, shared_question=list(question))
+                       for part in pack_streams(sizes, width, len(doc_ids) + len(question),
+                                                self.engine.kv_capacity))
+        sizes = [len(s.suffix_ids) + s.sampling.max_new_tokens for s in single]
+        out.extend(Request(doc_ids, [single[i] for i in group], width=width, doc_key=key,
+                           mode=mode)
+                   for group in (pack_streams(sizes, width, len(doc_ids), self.engine.kv_capacity)
+                                 if single else []))
+        return out
 
     # ---- schedule, run, postprocess ----------------------------------------------------------
 
@@ -274,7 +327,9 @@ class EngineSession:
             if not ready:
                 break
             worked = True
-            for step in self._question_steps(ready):
+            for batch in split_by_rows([r for r in ready if r.scoring]):
+                self._score(batch)
+            for step in self._question_steps([r for r in ready if not r.scoring]):
                 step_begin = time.perf_counter()
                 stats.prefilled_tokens += step.inputs.num_tokens
                 self._finish(self._launch(step, None), charge=False)
@@ -287,6 +342,33 @@ class EngineSession:
                 break
         if worked:
             stats.prefill_s += time.perf_counter() - begin
+
+    def _score(self, requests: list[Request]) -> None:
+        """Score the choices of ready scoring requests in one extend, answer the questions
+        whose choices are all scored, and free the requests (engine/scoring.py)."""
+        begin = time.perf_counter()
+        cascade = self._grouped_prefill or any(r.mode == "cascade" for r in requests)
+        inputs, plan = self.sched.score_step(requests, cascade=cascade)
+        logprobs = choice_logprobs(self._parts.runner.run(inputs), plan)  # waits for the device
+        self.stats.steps += 1
+        self.stats.prefilled_tokens += inputs.num_tokens
+        seconds = time.perf_counter() - begin
+        for req in requests:
+            req.streams[0].prefill_s += seconds * req.prefill_tokens / max(inputs.num_tokens, 1)
+        per_stream: dict[int, list[float]] = {}
+        for (stream, _), lp in zip(plan.choices, logprobs):
+            per_stream.setdefault(id(stream), []).append(lp)
+        self.sched.retire(requests)
+        now = time.perf_counter()
+        for req in requests:
+            stream = req.streams[0]
+            stream.finish_reason = "choice"
+            if stream.cancelled:
+                continue
+            answer = self._scores.add(stream, per_stream[id(stream)], mode=req.mode,
+                                      latency_s=now - self.started)
+            if answer is not None:
+                self._deliver(stream.key, answer)
 
     def _question_steps(self, ready: list[Request]) -> list[PlannedStep]:
         """The question prefill of newly ready requests: width-1 requests grouped by document
@@ -337,7 +419,7 @@ class EngineSession:
     def _finish(self, launched: _Launched, charge: bool = True) -> None:
         tokens = launched.read()
         now = time.perf_counter()
-        step, stats = launched.step, self.stats
+        step = launched.step
         if charge:
             # A decode step's time, shared by its streams: from its launch (or the previous
             # step's read, when it was launched behind that one) to its tokens, so that steps in
@@ -355,12 +437,17 @@ class EngineSession:
             mode, width = modes.get(id(stream), ("stock", 1))
             answer = Answer(stream.text, list(stream.output_ids), stream.finish_reason,
                             stream.prompt_tokens, latency_s=now - self.started, mode=mode,
-                            streams=width, prefill_s=stream.prefill_s, decode_s=stream.decode_s)
-            stats.questions += 1
-            stats.answer_tokens += len(answer.token_ids)
-            stats.prompt_tokens += answer.prompt_tokens
-            if self.on_answer is not None:
-                self.on_answer(stream.key, answer)
+                            streams=width, prefill_s=stream.prefill_s, decode_s=stream.decode_s,
+                            sample=stream.sample)
+            self._deliver(stream.key, answer)
+
+    def _deliver(self, key: QuestionRequest, answer: Answer) -> None:
+        stats = self.stats
+        stats.questions += 1
+        stats.answer_tokens += len(answer.token_ids)
+        stats.prompt_tokens += answer.prompt_tokens
+        if self.on_answer is not None:
+            self.on_answer(key, answer)
 
 
 def _charge(streams: list[Stream], field: str, seconds: float) -> None:

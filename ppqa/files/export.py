@@ -8,7 +8,10 @@ programs read them as UTF-8; quoting follows RFC 4180, so commas, quotes and new
 answers survive, and a text cell that a spreadsheet would run as a formula (it starts with
 =, +, -, @, a tab or a CR: an answer can be steered by its document) gets a leading ' as
 OWASP advises. JSON and JSONL keep every value exactly; the answers of a job with a JSON
-schema are written there as the JSON values they are (in CSV, as their JSON text).
+schema are written there as the JSON values they are (in CSV, as their JSON text). When any row
+is a question with choices, the CSV gains the store's CHOICE_COLUMNS, `choice_scores` as compact
+JSON text (one fixed set of columns whatever the labels; the README says why); when any is a
+job of several samples, a `sample` column.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import IO
 
 from ppqa.store.errors import InputError, OutputError
-from ppqa.store.export import EXPORT_COLUMNS, JsonAnswer
+from ppqa.store.export import CHOICE_COLUMNS, EXPORT_COLUMNS, SAMPLE_COLUMN, JsonAnswer
 
 EXPORT_FORMATS = ("csv", "jsonl", "json")
 # The OpenAI Batch output format (ppqa.openai.batch_out), only by name: its files end in .jsonl.
@@ -82,9 +85,17 @@ def csv_cell(value) -> object:
 def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
     if fmt == "csv":
         writer = csv.writer(stream)  # RFC 4180: CRLF line ends, quotes where needed
-        writer.writerow(EXPORT_COLUMNS)
+        columns = EXPORT_COLUMNS
+        if any("choice_scores" in row for row in rows):
+            columns += CHOICE_COLUMNS
+        if any(SAMPLE_COLUMN in row for row in rows):
+            columns += (SAMPLE_COLUMN,)
+        optional = (*CHOICE_COLUMNS, SAMPLE_COLUMN)
+        writer.writerow(columns)
         for row in rows:
-            writer.writerow([csv_cell(row[c]) for c in EXPORT_COLUMNS])
+            # A mixed export: rows of questions without choices have no choice fields.
+            writer.writerow([csv_cell(_flat(row.get(c) if c in optional else row[c]))
+                             for c in columns])
     elif fmt == "jsonl":
         for row in rows:
             stream.write(json.dumps(_parsed(row), ensure_ascii=False) + "\n")
@@ -103,6 +114,11 @@ def _parsed(row: dict) -> dict:
         return {**row, "answer": json.loads(answer)}
     except ValueError:
         return {**row, "answer": str(answer)}
+def _flat(value) -> object:
+    """A CSV cell's value: lists (a question's choice scores) as compact JSON text."""
+    if isinstance(value, list):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return value
 
 
 def _encoding(fmt: str) -> str:

@@ -7,9 +7,11 @@ standard input. No file is read past `max_bytes` (16 MiB unless the caller says 
 an endless stream or a huge file is refused instead of filling memory. Lines end at LF, CRLF or
 CR only (not at the other separators `str.splitlines` knows, which may sit inside a question or
 a JSON string). Questions come from `.txt` (one a line; blank lines and `#` comments skipped),
-`.jsonl` (`{"question": ..., "id": ...}`) or `.csv` (a `question` column, optional `id`);
-a question without an id gets its 1-based number as id. A JSON schema file (`--json-schema`)
-is one JSON object that the grammar library must compile (ppqa/json_schema.py).
+`.jsonl` (`{"question": ..., "id": ..., "choices": [...]}`) or `.csv` (a `question` column,
+optional `id` and `choices`, the labels separated by `|`); a question without an id gets its
+1-based number as id. A question's choices (ppqa/choices.py) make it answered by choosing one.
+A JSON schema file (`--json-schema`) is one JSON object that the grammar library must compile
+(ppqa/json_schema.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ppqa.choices import check_choices
 from ppqa.store.errors import InputError
 from ppqa.templates import check_template, list_templates
 
@@ -36,12 +39,27 @@ class QuestionInput:
     custom_id: str
     text: str
     where: str  # "file:line", for messages
+    choices: tuple[str, ...] | None = None  # labels to choose from; None: a generated answer
 
     def __post_init__(self) -> None:
         if not self.text.strip():
             raise InputError(f"{self.where}: empty question")
         if not self.custom_id.strip():
             raise InputError(f"{self.where}: empty question id")
+        if self.choices is not None:
+            try:
+                object.__setattr__(self, "choices", check_choices(self.choices))
+            except ValueError as exc:
+                raise InputError(f"{self.where}: {exc}") from None
+
+
+def parse_choices(text: str, sep: str, where: str) -> tuple[str, ...]:
+    """Labels from one string (`--choices "yes,no"`, a CSV cell "yes|no"), each stripped;
+    InputError naming `where` unless they are at least two distinct non-empty labels."""
+    try:
+        return check_choices([c.strip() for c in text.split(sep)])
+    except ValueError as exc:
+        raise InputError(f"{where}: {exc}") from None
 
 
 def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_INPUT_BYTES) -> str:
@@ -130,6 +148,12 @@ def _parse_txt(text: str, label: str) -> list[QuestionInput]:
     return out
 
 
+def with_choices(questions: list[QuestionInput], choices: tuple[str, ...]) -> list[QuestionInput]:
+    """The questions, each without choices of its own given `choices` (checked per question)."""
+    return [q if q.choices is not None else
+            QuestionInput(q.custom_id, q.text, q.where, choices) for q in questions]
+
+
 def _json_lines(text: str, label: str):
     """(where, value) for each non-blank line of a JSONL text; bad JSON names its line.
     Strict JSON: Python's NaN and Infinity, numbers too large for a float and strings holding
@@ -195,16 +219,22 @@ def question_from_obj(obj: object, position: int, where: str) -> QuestionInput:
         return QuestionInput(str(position + 1), obj.strip(), where)
     if not isinstance(obj, dict):
         raise InputError(f'{where}: expected an object like {{"question": "...", "id": "..."}}')
-    unknown = set(obj) - {"question", "id"}
+    unknown = set(obj) - {"question", "id", "choices"}
     if unknown:
-        raise InputError(f"{where}: unknown key {sorted(unknown)[0]!r} (expected question, id)")
+        raise InputError(f"{where}: unknown key {sorted(unknown)[0]!r} "
+                         "(expected question, id, choices)")
+    choices = obj.get("choices")
+    if choices is not None and (not isinstance(choices, list)
+                                or not all(isinstance(c, str) for c in choices)):
+        raise InputError(f"{where}: 'choices' must be a list of strings")
     question = obj.get("question")
     if not isinstance(question, str) or not question.strip():
         raise InputError(f"{where}: 'question' must be a non-empty string")
     qid = obj.get("id", position + 1)
     if isinstance(qid, bool) or not isinstance(qid, (str, int)):
         raise InputError(f"{where}: 'id' must be a string or a whole number, got {qid!r}")
-    return QuestionInput(str(qid).strip(), question.strip(), where)
+    return QuestionInput(str(qid).strip(), question.strip(), where,
+                         None if choices is None else tuple(c.strip() for c in choices))
 
 
 def _parse_csv(text: str, label: str) -> list[QuestionInput]:
@@ -222,6 +252,7 @@ def _parse_csv(text: str, label: str) -> list[QuestionInput]:
         raise InputError(f"{label}:1: no 'question' column in the header (columns: {shown})")
     q_col = columns.index("question")
     id_col = columns.index("id") if "id" in columns else None
+    choices_col = columns.index("choices") if "choices" in columns else None
     out = []
     start = reader.line_num + 1  # the line the next record starts on
     try:
@@ -234,7 +265,10 @@ def _parse_csv(text: str, label: str) -> list[QuestionInput]:
             if not question:
                 raise InputError(f"{where}: empty question")
             qid = row[id_col].strip() if id_col is not None and id_col < len(row) else ""
-            out.append(QuestionInput(qid or str(len(out) + 1), question, where))
+            cell = (row[choices_col].strip()
+                    if choices_col is not None and choices_col < len(row) else "")
+            choices = parse_choices(cell, "|", where) if cell else None
+            out.append(QuestionInput(qid or str(len(out) + 1), question, where, choices))
     except csv.Error as exc:
         if reader.line_num > start and "end of data" in str(exc):
             raise InputError(f"{label}:{start}: malformed CSV (a quoted field opened on line "
@@ -290,7 +324,7 @@ def read_json_schema(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> dict
 
 
 PARAM_KEYS = ("template", "max_new_tokens", "temperature", "top_p", "seed", "mode", "model",
-              "priority",
+              "priority", "choice_norm", "samples",
               "json_schema")  # a JSON schema object: the answers are JSON that follows it
 
 
@@ -309,12 +343,13 @@ def read_batch(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[Batch
     """Parse a batch `.jsonl`: one `{"document"|"document_path", "questions", ...}` a line.
 
     `document_path` is relative to the batch file's folder; `name` defaults to `id`, then to the
-    document file's name; any of PARAM_KEYS overrides the command-line option for that line.
+    document file's name; any of PARAM_KEYS overrides the command-line option for that line;
+    `choices` (a list of labels) goes to every question of the line that has none of its own.
     """
     text = read_text(path, "batch file", max_bytes)
     label = "<stdin>" if str(path) == "-" else str(path)
     base = Path.cwd() if str(path) == "-" else Path(path).resolve().parent
-    allowed = {"document", "document_path", "questions", "name", "id", *PARAM_KEYS}
+    allowed = {"document", "document_path", "questions", "name", "id", "choices", *PARAM_KEYS}
     items = []
     for where, obj in _json_lines(text, label):
         if not isinstance(obj, dict):
@@ -344,6 +379,11 @@ def read_batch(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[Batch
             raise InputError(f"{where}: 'questions' must be a list of strings or objects")
         questions = [question_from_obj(q, i, f"{where} question {i + 1}")
                      for i, q in enumerate(raw_questions)]
+        if "choices" in obj:
+            shared = obj["choices"]
+            if not isinstance(shared, list) or not all(isinstance(c, str) for c in shared):
+                raise InputError(f"{where}: 'choices' must be a list of strings")
+            questions = with_choices(questions, tuple(c.strip() for c in shared))
         check_questions(questions, where)
         name = obj.get("name") or obj.get("id") or default_name
         overrides = {k: obj[k] for k in PARAM_KEYS if k in obj}

@@ -1,8 +1,11 @@
 """The rows an export writes (`export_rows`): one per question of the selected jobs.
 
 Finished jobs by default, chosen jobs with `job_ids`, every job with `include_all`; a question
-not answered yet has an empty answer; a schema job's answers are `JsonAnswer` texts.
-`ppqa.files.export` writes them to a file.
+not answered yet has an empty answer; a schema job's answers are `JsonAnswer` texts. A question
+with choices also gets CHOICE_COLUMNS: the chosen label, its probability and log-probability,
+and every choice's scores ([{"choice", "logprob", "prob"}], in the question's order). A job of
+several samples per question has a row per answered sample, with its `sample` (0, 1, ...).
+`ppqa.files.export` writes them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from ppqa.store.timefmt import iso
 
 EXPORT_COLUMNS = ("job", "document", "question_id", "question", "answer", "finish_reason",
                   "tokens", "model", "mode", "finished_at")
+CHOICE_COLUMNS = ("choice", "choice_prob", "choice_logprob", "choice_scores")
+SAMPLE_COLUMN = "sample"
 
 
 class JsonAnswer(str):
@@ -47,11 +52,12 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
         rows = conn.execute(
             select(Question.job_id, Document.name, Question.custom_id, Question.text,
                    Answer.text.label("answer"), Answer.finish_reason, Answer.token_count,
-                   Answer.created_at)
+                   Answer.created_at, Question.choices, Answer.choice, Answer.choice_scores,
+                   Answer.sample)
             .join(Job, Job.id == Question.job_id).join(Document, Document.id == Job.document_id)
             .outerjoin(Answer, Answer.question_id == Question.id)
             .where(Question.job_id.in_(list(jobs)))
-            .order_by(Question.job_id, Question.position)).all()
+            .order_by(Question.job_id, Question.position, Answer.sample)).all()
     out = []
     for r in rows:
         params = jobs[r.job_id] or {}
@@ -59,8 +65,20 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
         answer = r.answer
         if answer is not None and params.get("json_schema") is not None:
             answer = JsonAnswer(answer)
-        out.append({"job": r.job_id, "document": r.name, "question_id": r.custom_id,
-                    "question": r.text, "answer": answer, "finish_reason": r.finish_reason,
-                    "tokens": r.token_count, "model": model, "mode": mode,
-                    "finished_at": iso(r.created_at)})
+        row = {"job": r.job_id, "document": r.name, "question_id": r.custom_id,
+               "question": r.text, "answer": answer, "finish_reason": r.finish_reason,
+               "tokens": r.token_count, "model": model, "mode": mode,
+               "finished_at": iso(r.created_at)}
+        if r.choices is not None:
+            row.update(_choice_fields(r.choice, r.choice_scores))
+        if params.get("samples", 1) > 1:
+            row[SAMPLE_COLUMN] = r.sample
+        out.append(row)
     return out
+
+
+def _choice_fields(choice: str | None, scores: list[dict] | None) -> dict:
+    """CHOICE_COLUMNS of one row (empty while the question has no answer)."""
+    chosen = next((s for s in scores or [] if s["choice"] == choice), None)
+    return {"choice": choice, "choice_prob": chosen and chosen["prob"],
+            "choice_logprob": chosen and chosen["logprob"], "choice_scores": scores}

@@ -21,6 +21,7 @@ from ppqa.files.inputs import QuestionInput, read_template
 from ppqa.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, Answer, Document, Job,
                                Question)
 from ppqa.store.params import GenerationParams
+from ppqa.store.queue import answer_count
 from ppqa.templates import check_template
 
 
@@ -51,6 +52,12 @@ class IngestRequest:
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise InputError(self._at(f"priority must be from {-MAX_PRIORITY} to {MAX_PRIORITY}, "
                                       f"got {self.priority}"))
+        if self.params.samples > 1:
+            chosen = next((q for q in self.questions if q.choices is not None), None)
+            if chosen is not None:
+                raise InputError(f"{chosen.where}: samples apply to generated answers; a "
+                                 "question with choices is scored once (its log-probabilities "
+                                 "do not vary)")
 
     def _at(self, message: str) -> str:
         return f"{self.where}: {message}" if self.where else message
@@ -77,9 +84,10 @@ def sha256_text(text: str) -> str:
 def job_key(document_sha256: str, questions: list[QuestionInput], params: GenerationParams,
             template_source: str | None = None) -> str:
     """Identity of a job's work: same document, same questions and ids, same parameters (and,
-    for a user template, the same template text)."""
+    for a user template, the same template text; a question's choices, when it has them)."""
     payload = {"document": document_sha256,
-               "questions": [[q.custom_id, q.text] for q in questions],
+               "questions": [[q.custom_id, q.text] if q.choices is None
+                             else [q.custom_id, q.text, list(q.choices)] for q in questions],
                "params": params.to_dict()}
     if template_source is not None:
         payload["template_sha256"] = sha256_text(template_source)
@@ -133,9 +141,11 @@ def _ingest_one(conn: Connection, req: IngestRequest, now, force: bool) -> Inges
     job_id = conn.execute(insert(Job).values(
         document_id=doc_id, question_count=len(req.questions), params=req.params.to_dict(),
         job_key=key, status=QUEUED, priority=req.priority, attempts=0, created_at=now,
-        model=req.params.model, template_source=req.template_source)).inserted_primary_key[0]
+        model=req.params.model, template_source=req.template_source,
+        samples=req.params.samples)).inserted_primary_key[0]
     conn.execute(insert(Question), [
-        {"job_id": job_id, "position": i, "custom_id": q.custom_id, "text": q.text}
+        {"job_id": job_id, "position": i, "custom_id": q.custom_id, "text": q.text,
+         "choices": None if q.choices is None else list(q.choices)}
         for i, q in enumerate(req.questions)])
     return IngestResult(job_id, doc_id, doc_name, is_new, len(req.questions))
 
@@ -181,9 +191,10 @@ def retry_job(db: Database, job_id: int) -> str:
 
 
 def answered_counts(conn: Connection, job_ids: list[int] | None = None) -> dict[int, int]:
-    """Answers written so far, per job."""
-    stmt = (select(Question.job_id, func.count(Answer.id))
-            .join(Answer, Answer.question_id == Question.id).group_by(Question.job_id))
+    """Questions with all their answers (every sample) written so far, per job."""
+    stmt = (select(Question.job_id, func.count(Question.id))
+            .join(Job, Job.id == Question.job_id).where(answer_count() >= Job.samples)
+            .group_by(Question.job_id))
     if job_ids is not None:
         stmt = stmt.where(Question.job_id.in_(job_ids))
     return {job_id: n for job_id, n in conn.execute(stmt)}

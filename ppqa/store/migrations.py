@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-from sqlalchemy import (JSON, BigInteger, Column, Connection, DateTime, Float, ForeignKey, Index,
-                        Integer, LargeBinary, MetaData, String, Table, Text, UniqueConstraint,
-                        inspect, select, text)
+from sqlalchemy import (JSON, BigInteger, Column, Connection, DateTime, Float, ForeignKey,
+                        ForeignKeyConstraint, Index, Integer, LargeBinary, MetaData,
+                        PrimaryKeyConstraint, String, Table, Text, UniqueConstraint, inspect,
+                        select, text)
 
 from ppqa.store.models import NAMING_CONVENTION, MigrationRecord
 
@@ -170,6 +171,52 @@ def _m0007_template_source(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE jobs ADD COLUMN template_source TEXT"))
 
 
+def _m0008_choices(conn: Connection) -> None:
+    """questions.choices (the labels of a question answered by choosing), answers.choice and
+    answers.choice_scores (the chosen label; each choice's log-probability and probability)."""
+    conn.execute(text("ALTER TABLE questions ADD COLUMN choices JSON"))
+    conn.execute(text("ALTER TABLE answers ADD COLUMN choice TEXT"))
+    conn.execute(text("ALTER TABLE answers ADD COLUMN choice_scores JSON"))
+
+
+def _m0009_samples(conn: Connection) -> None:
+    """jobs.samples (answers wanted per question) and answers.sample: answers are unique per
+    (question, sample), no longer per question. SQLite cannot drop a constraint, so there the
+    answers table is rebuilt (nothing refers to it) and its rows copied as sample 0."""
+    conn.execute(text("ALTER TABLE jobs ADD COLUMN samples INTEGER NOT NULL DEFAULT 1"))
+    if conn.dialect.name != "sqlite":
+        conn.execute(text("ALTER TABLE answers ADD COLUMN sample INTEGER NOT NULL DEFAULT 0"))
+        conn.execute(text("ALTER TABLE answers DROP CONSTRAINT uq_answers_question_id"))
+        conn.execute(text("ALTER TABLE answers ADD CONSTRAINT uq_answers_question_id_sample "
+                          "UNIQUE (question_id, sample)"))
+        return
+    md = MetaData()
+    Table("questions", md, Column("id", Integer, primary_key=True))  # only for the foreign key
+    columns = ("id", "question_id", "text", "token_count", "finish_reason", "total_seconds",
+               "worker", "created_at", "choice", "choice_scores")
+    new = Table("answers_new", md,
+                Column("id", Integer, primary_key=True),
+                Column("question_id", Integer, nullable=False),
+                Column("text", Text, nullable=False),
+                Column("token_count", Integer, nullable=False),
+                Column("finish_reason", String(32), nullable=False),
+                Column("total_seconds", Float),
+                Column("worker", String(200)),
+                Column("created_at", DateTime, nullable=False),
+                Column("choice", Text),
+                Column("choice_scores", JSON),
+                Column("sample", Integer, nullable=False, server_default=text("0")),
+                PrimaryKeyConstraint("id", name="pk_answers"),
+                ForeignKeyConstraint(["question_id"], ["questions.id"], ondelete="CASCADE",
+                                     name="fk_answers_question_id_questions"),
+                UniqueConstraint("question_id", "sample", name="uq_answers_question_id_sample"))
+    new.create(conn)
+    names = ", ".join(columns)
+    conn.execute(text(f"INSERT INTO answers_new ({names}) SELECT {names} FROM answers"))
+    conn.execute(text("DROP TABLE answers"))
+    conn.execute(text("ALTER TABLE answers_new RENAME TO answers"))
+
+
 def _json_value(raw) -> dict:
     import json
 
@@ -185,6 +232,8 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("0005_drop_first_token_seconds", _m0005_drop_first_token_seconds),
     ("0006_openai_batches", _m0006_openai_batches),
     ("0007_template_source", _m0007_template_source),
+    ("0008_choices", _m0008_choices),
+    ("0009_samples", _m0009_samples),
 ]
 
 

@@ -76,6 +76,9 @@ class Job(Base):
     # for messages), so that editing or deleting the file after ingest changes no queued job
     # and workers on other hosts need no copy. None for built-in templates.
     template_source: Mapped[str | None] = mapped_column(Text)
+    # Added by migration 0009: answers wanted per question (params.samples), a column so that
+    # the claim's "is anything left to answer" test runs in SQL.
+    samples: Mapped[int] = mapped_column(Integer, server_default="1")
 
     __table_args__ = (Index("ix_jobs_claim_order", "status", "priority", "created_at"),)
 
@@ -87,23 +90,34 @@ class Question(Base):
     position: Mapped[int] = mapped_column(Integer)  # 0-based order in the questions file
     custom_id: Mapped[str] = mapped_column(String(200))
     text: Mapped[str] = mapped_column(Text)
+    # Added by migration 0008: the labels a question is answered from (a JSON list of
+    # strings), or None for a question whose answer is generated.
+    choices: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
 
     __table_args__ = (UniqueConstraint("job_id", "position"), UniqueConstraint("job_id", "custom_id"))
 
 
 class Answer(Base):
-    """Exactly one per question (the unique constraint is what makes re-runs safe)."""
+    """Exactly one per question and sample (the unique constraint is what makes re-runs safe);
+    a job without samples has sample 0 only."""
 
     __tablename__ = "answers"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    question_id: Mapped[int] = mapped_column(
-        ForeignKey("questions.id", ondelete="CASCADE"), unique=True)
+    question_id: Mapped[int] = mapped_column(ForeignKey("questions.id", ondelete="CASCADE"))
     text: Mapped[str] = mapped_column(Text)
     token_count: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(32))
     total_seconds: Mapped[float | None] = mapped_column(Float)
     worker: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    # Added by migration 0008, for a question with choices: the chosen label, and every
+    # choice's log-probability and probability ([{"choice", "logprob", "prob"}], in order).
+    choice: Mapped[str | None] = mapped_column(Text)
+    choice_scores: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
+    # Added by migration 0009: which of the question's samples (0 .. jobs.samples - 1).
+    sample: Mapped[int] = mapped_column(Integer, server_default="0")
+
+    __table_args__ = (UniqueConstraint("question_id", "sample"),)
 
 
 class Report(Base):

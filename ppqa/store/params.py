@@ -11,11 +11,13 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ppqa.choices import check_norm
 from ppqa.modes import check_mode
 from ppqa.store.errors import InputError
 
 MAX_SEED = 2**63 - 1  # the sampler's seeds are int64 (engine/runtime/sampling.py)
 MAX_NEW_TOKENS = 1_000_000  # beyond any model's context
+MAX_SAMPLES = 1024  # answers per question
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,11 @@ class GenerationParams:
     # A JSON schema every answer follows (ppqa/json_schema.py), as its compact JSON text so the
     # params stay hashable; given as a dict or text, stored in the job as the object.
     json_schema: str | None = None
+    # How the choices of questions that have them are compared (ppqa/choices.py).
+    choice_norm: str = "none"
+    # Answers drawn per question, each from its own seed (`config.sample_seed`); more than one
+    # needs a temperature above 0.
+    samples: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (list, tuple)):
@@ -66,6 +73,17 @@ class GenerationParams:
             if self.stop:
                 raise InputError("stop strings cannot be combined with a JSON schema (they "
                                  "would cut the JSON); the answer ends where the JSON does")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) \
+                or not 1 <= self.samples <= MAX_SAMPLES:
+            raise InputError(f"samples must be a whole number from 1 to {MAX_SAMPLES}, "
+                             f"got {self.samples!r}")
+        if self.samples > 1 and self.temperature == 0:
+            raise InputError(f"{self.samples} samples need a temperature above 0: greedy "
+                             "decoding gives the same answer every time")
+        try:
+            check_norm(self.choice_norm)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -77,6 +95,10 @@ class GenerationParams:
             del data["json_schema"]
         else:
             data["json_schema"] = json.loads(self.json_schema)
+        if self.choice_norm == "none":  # likewise jobs that compare choices by their sums
+            del data["choice_norm"]
+        if self.samples == 1:  # and jobs of one answer per question
+            del data["samples"]
         return data
 
     @classmethod

@@ -35,6 +35,15 @@ class ClaimedQuestion:
     index: int  # 0-based position in the job's questions
     custom_id: str
     text: str
+    choices: tuple[str, ...] | None = None  # labels to choose from (None: generate)
+    samples: tuple[int, ...] = (0,)  # the samples still to answer (0 .. jobs.samples - 1)
+
+
+def answer_count():
+    """A question's answers so far (each sample one), as a correlated subquery on `Question`:
+    the question is answered when this reaches its job's `samples`."""
+    return (select(func.count(Answer.id)).where(Answer.question_id == Question.id)
+            .correlate(Question).scalar_subquery())
 
 
 @dataclass
@@ -55,6 +64,11 @@ class ClaimedJob:
     def __post_init__(self) -> None:
         if not self.questions:
             raise ValueError(f"claimed job {self.job_id} has no unanswered question")
+
+    @property
+    def answers_wanted(self) -> int:
+        """Answers this claim is for: one per question, or per missing sample."""
+        return sum(len(q.samples) for q in self.questions)
 
 
 def _claimable(now: datetime, model: str | None):
@@ -82,8 +96,8 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
         expired = (Job.status == RUNNING) & (Job.lease_expires_at < now)
         # A dead worker that had written every answer only lost the finishing step: done, not
         # failed, whatever its attempts.
-        unanswered = (select(Question.id).outerjoin(Answer, Answer.question_id == Question.id)
-                      .where(Question.job_id == Job.id, Answer.id.is_(None)).exists())
+        unanswered = (select(Question.id)
+                      .where(Question.job_id == Job.id, answer_count() < Job.samples).exists())
         conn.execute(update(Job).where(expired, ~unanswered).values(
             status=DONE, finished_at=now, lease_owner=None, lease_expires_at=None))
         conn.execute(update(Job).where(expired, Job.attempts >= max_attempts).values(
@@ -136,14 +150,23 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
 
 
 def _unanswered(conn, job_ids: list[int]) -> dict[int, list[ClaimedQuestion]]:
+    """The questions of `job_ids` that miss an answer, each with the samples it misses."""
     rows = conn.execute(
-        select(Question.job_id, Question.id, Question.position, Question.custom_id, Question.text)
-        .outerjoin(Answer, Answer.question_id == Question.id)
-        .where(Question.job_id.in_(job_ids), Answer.id.is_(None))
-        .order_by(Question.job_id, Question.position))
+        select(Question.job_id, Question.id, Question.position, Question.custom_id, Question.text,
+               Question.choices, Job.samples)
+        .join(Job, Job.id == Question.job_id)
+        .where(Question.job_id.in_(job_ids), answer_count() < Job.samples)
+        .order_by(Question.job_id, Question.position)).all()
+    have: dict[int, set[int]] = {}
+    if any(r.samples > 1 for r in rows):
+        for qid, sample in conn.execute(select(Answer.question_id, Answer.sample).where(
+                Answer.question_id.in_([r.id for r in rows if r.samples > 1]))):
+            have.setdefault(qid, set()).add(sample)
     out: dict[int, list[ClaimedQuestion]] = {}
-    for job_id, qid, pos, cid, text in rows:
-        out.setdefault(job_id, []).append(ClaimedQuestion(qid, pos, cid, text))
+    for job_id, qid, pos, cid, text, choices, samples in rows:
+        missing = tuple(i for i in range(samples) if i not in have.get(qid, ()))
+        out.setdefault(job_id, []).append(ClaimedQuestion(
+            qid, pos, cid, text, None if choices is None else tuple(choices), missing))
     return out
 
 
@@ -166,9 +189,12 @@ def heartbeat(db: Database, worker_id: str, job_ids: list[int], lease_seconds: f
 
 def record_answer(db: Database, question_id: int, text: str, token_count: int,
                   finish_reason: str, *, total_seconds: float | None = None,
-                  worker_id: str | None = None) -> bool:
-    """Store a question's answer in its own transaction. False if it already had one (the
-    unique constraint keeps the first); StoreError if the question does not exist."""
+                  worker_id: str | None = None, choice_scores: list[dict] | None = None,
+                  sample: int = 0) -> bool:
+    """Store a question's answer (its sample `sample`) in its own transaction. False if it
+    already had one (the unique constraint keeps the first); StoreError if the question does
+    not exist. `choice_scores` ([{"choice", "logprob", "prob"}]): a chosen answer, whose text
+    is the chosen label."""
     if not finish_reason or len(finish_reason) > 32:
         raise ValueError(f"finish_reason must be 1 to 32 characters, got {finish_reason!r}")
     if token_count < 0:
@@ -178,21 +204,22 @@ def record_answer(db: Database, question_id: int, text: str, token_count: int,
             conn.execute(insert(Answer).values(
                 question_id=question_id, text=text, token_count=token_count,
                 finish_reason=finish_reason, total_seconds=total_seconds, worker=worker_id,
-                created_at=db.now(conn)))
+                created_at=db.now(conn), sample=sample, **_choice_values(text, choice_scores)))
         return True
     except IntegrityError:
         with db.read() as conn:
-            if conn.execute(select(Answer.id).where(Answer.question_id == question_id)).first():
+            if conn.execute(select(Answer.id).where(Answer.question_id == question_id,
+                                                    Answer.sample == sample)).first():
                 return False
         raise StoreError(f"no question {question_id}") from None
 
 
-def record_answers(db: Database, rows: list[tuple[int, str, int, str, float | None]], *,
-                   worker_id: str | None = None) -> None:
-    """Store many answers (question id, text, tokens, finish reason, total seconds) in one
-    transaction; a question that already has an answer keeps its first one (then each row is
-    written on its own, as `record_answer` does)."""
-    for _, _, tokens, reason, _ in rows:
+def record_answers(db: Database, rows: list[tuple], *, worker_id: str | None = None) -> None:
+    """Store many answers (question id, text, tokens, finish reason, total seconds[, choice
+    scores[, sample]]) in one transaction; a question that already has an answer (for that
+    sample) keeps its first one (then each row is written on its own, as `record_answer` does)."""
+    rows = [(*row, None, 0)[:7] for row in rows]
+    for _, _, tokens, reason, _, _, _ in rows:
         if not reason or len(reason) > 32 or tokens < 0:
             raise ValueError(f"bad answer row: {tokens} tokens, finish_reason {reason!r}")
     try:
@@ -200,12 +227,18 @@ def record_answers(db: Database, rows: list[tuple[int, str, int, str, float | No
             now = db.now(conn)
             conn.execute(insert(Answer), [
                 {"question_id": qid, "text": text, "token_count": tokens, "finish_reason": reason,
-                 "total_seconds": seconds, "worker": worker_id, "created_at": now}
-                for qid, text, tokens, reason, seconds in rows])
+                 "total_seconds": seconds, "worker": worker_id, "created_at": now,
+                 "sample": sample, **_choice_values(text, scores)}
+                for qid, text, tokens, reason, seconds, scores, sample in rows])
     except IntegrityError:
-        for qid, text, tokens, reason, seconds in rows:
+        for qid, text, tokens, reason, seconds, scores, sample in rows:
             record_answer(db, qid, text, tokens, reason, total_seconds=seconds,
-                          worker_id=worker_id)
+                          worker_id=worker_id, choice_scores=scores, sample=sample)
+
+
+def _choice_values(text: str, scores: list[dict] | None) -> dict:
+    """The answers row's choice columns: every row of one insert names the same columns."""
+    return {"choice": None if scores is None else text, "choice_scores": scores}
 
 
 def _status(conn, job_id: int) -> str:
@@ -228,8 +261,8 @@ def finish_job(db: Database, job_id: int, worker_id: str, report: JobReport | di
         if not conn.execute(select(Job.id).where(_owned(worker_id, [job_id]))).first():
             return status
         remaining = conn.execute(
-            select(func.count(Question.id)).outerjoin(Answer, Answer.question_id == Question.id)
-            .where(Question.job_id == job_id, Answer.id.is_(None))).scalar_one()
+            select(func.count(Question.id)).join(Job, Job.id == Question.job_id)
+            .where(Question.job_id == job_id, answer_count() < Job.samples)).scalar_one()
         new = DONE if remaining == 0 else QUEUED
         conn.execute(update(Job).where(Job.id == job_id).values(
             status=new, lease_owner=None, lease_expires_at=None,
@@ -288,11 +321,12 @@ def requeue_expired(db: Database, max_attempts: int = 3) -> dict[str, list[int]]
 
 
 def waiting_questions(db: Database, model: str | None = None) -> int:
-    """Unanswered questions of queued jobs (that a worker of `model` may take): the part of the
-    queue nobody has claimed yet, for a worker's progress total."""
-    stmt = (select(func.count(Question.id)).join(Job, Job.id == Question.job_id)
-            .outerjoin(Answer, Answer.question_id == Question.id)
-            .where(Job.status == QUEUED, Answer.id.is_(None)))
+    """Answers still to write for queued jobs (that a worker of `model` may take; one per
+    unanswered question, or per missing sample): the part of the queue nobody has claimed
+    yet, for a worker's progress total."""
+    stmt = (select(func.coalesce(func.sum(Job.samples - answer_count()), 0))
+            .select_from(Question).join(Job, Job.id == Question.job_id)
+            .where(Job.status == QUEUED, answer_count() < Job.samples))
     if model is not None:
         stmt = stmt.where(or_(Job.model.is_(None), Job.model == model))
     with db.read() as conn:

@@ -15,6 +15,7 @@ from ppqa.store.reports import list_reports
 from ppqa.store.timefmt import iso
 from ppqa.store.errors import StoreError
 from ppqa.store.jobs import answered_counts
+from ppqa.store.queue import answer_count
 from ppqa.store.models import JOB_STATUSES, Answer, Document, Job, Question
 
 
@@ -28,9 +29,9 @@ def queue_status(db: Database) -> dict:
             .group_by(Job.document_id, Document.name, Job.status)
             .order_by(Job.document_id)).all()
         answered = conn.execute(
-            select(Job.document_id, func.count(Answer.id))
+            select(Job.document_id, func.count(Question.id))
             .join(Question, Question.job_id == Job.id)
-            .join(Answer, Answer.question_id == Question.id)
+            .where(answer_count() >= Job.samples)
             .group_by(Job.document_id)).all()
     per_answered = dict(answered)
     documents: dict[int, dict] = {}
@@ -87,13 +88,21 @@ def job_detail(db: Database, job_id: int) -> dict:
         questions = conn.execute(
             select(Question.id, Question.position, Question.custom_id, Question.text,
                    Answer.text.label("answer"), Answer.token_count, Answer.finish_reason,
-                   Answer.created_at.label("answered_at"))
+                   Answer.created_at.label("answered_at"), Question.choices,
+                   Answer.choice_scores, Answer.sample)
             .outerjoin(Answer, Answer.question_id == Question.id)
-            .where(Question.job_id == job_id).order_by(Question.position)).all()
-    detail = _job_dict(row, sum(1 for q in questions if q.answer is not None))
+            .where(Question.job_id == job_id).order_by(Question.position, Answer.sample)).all()
+        samples = conn.execute(select(Job.samples).where(Job.id == job_id)).scalar_one()
+        answered = answered_counts(conn, [job_id]).get(job_id, 0)
+    detail = _job_dict(row, answered)
     detail["questions_detail"] = [
         {"question_id": q.custom_id, "position": q.position, "question": q.text,
          "answer": q.answer, "tokens": q.token_count, "finish_reason": q.finish_reason,
-         "answered_at": iso(q.answered_at)} for q in questions]
+         "answered_at": iso(q.answered_at),
+         # a question with choices: its labels and, once answered, each one's scores
+         **({} if q.choices is None else {"choices": q.choices,
+                                          "choice_scores": q.choice_scores}),
+         **({} if samples == 1 else {"sample": q.sample})}
+        for q in questions]
     detail["reports"] = list_reports(db, job_id)
     return detail

@@ -2,7 +2,11 @@
 
 A template defines two Jinja2 blocks: `prefix` (the instruction and `{{ document }}`, shared by
 every question) and `question` (`{{ question }}`, one per question); one that also defines the
-block `rendered` is not wrapped in the model's chat template (see RENDERED_BLOCK). The built-in
+block `rendered` is not wrapped in the model's chat template (see RENDERED_BLOCK). For a question
+with choices, the `question` block also sees `choices` (the labels) and `letters` (A, B, ...),
+and the optional block `choice` renders the text that is scored after the prompt for one choice
+(`choice`, `letter`, `choice_index`); without it the scored text is the label, after a space
+unless the model's chat template wraps the prompt (see CHOICE_BLOCK and `choice_context`). The built-in
 ones are package data, read through `importlib.resources` so that they are found in an
 installed wheel as in a source checkout. Every template renders in one sandboxed environment: users' templates are
 untrusted. Jinja2 is imported on first use, so listing names stays cheap for the CLI.
@@ -21,6 +25,31 @@ REQUIRED_BLOCKS = ("prefix", "question")
 # A template that defines this (empty) block holds text that is already the model's whole
 # prompt (the built-in `raw`): the tokenizer does not wrap it in the chat template.
 RENDERED_BLOCK = "rendered"
+# The optional block that renders a choice's scored text (see the module doc).
+CHOICE_BLOCK = "choice"
+
+
+def choice_letters(n: int) -> list[str]:
+    """A, B, ..., Z, AA, AB, ...: the letters of n options, as a spreadsheet names columns."""
+    out = []
+    for i in range(n):
+        name, i = "", i + 1
+        while i:
+            i, rest = divmod(i - 1, 26)
+            name = chr(65 + rest) + name
+        out.append(name)
+    return out
+
+
+def choice_text(tmpl: Any, context: Mapping[str, Any], index: int) -> str:
+    """The scored text of choice `index` of a question rendered with `context` (which holds
+    `choices`, `letters` and `chat`): the template's `choice` block, or the label itself."""
+    choice = context["choices"][index]
+    if CHOICE_BLOCK not in tmpl.blocks:
+        return choice if context.get("chat") else " " + choice
+    return render_block(tmpl, CHOICE_BLOCK, {**context, "choice": choice,
+                                             "letter": context["letters"][index],
+                                             "choice_index": index})
 
 
 def list_templates() -> list[str]:
@@ -100,5 +129,12 @@ def check_template(source: str, label: str = "<template>") -> None:
             render_block(tmpl, "prefix", context)
             render_block(tmpl, "question", {**context, "question": "A sample question?",
                                             "index": 0})
+            labels = ["yes", "no"]
+            with_choices = {**context, "question": "A sample question?", "index": 0,
+                            "choices": labels, "letters": choice_letters(len(labels))}
+            render_block(tmpl, "question", with_choices)
+            for i in range(len(labels)):
+                if not choice_text(tmpl, with_choices, i):
+                    raise ValueError("the 'choice' block renders an empty text")
         except ValueError as e:
             raise ValueError(f"template {label!r}: {e}") from e

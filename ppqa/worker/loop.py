@@ -28,16 +28,18 @@ from __future__ import annotations
 import queue as threadsafe
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from ppqa.config import sample_seed
 from ppqa.store import queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
 from ppqa.store.queue import ClaimedJob
 from ppqa.worker.lease import LeaseKeeper
-from ppqa.worker.report import JobOutcome, JobRun, ProgressSink, WorkerSummary, job_report
+from ppqa.worker.report import (JobOutcome, JobRun, ProgressSink, WorkerSummary, answer_row,
+                                job_report)
 from ppqa.worker.setup import default_worker_id
 
 # An engine that fails this many times in a row is broken, not unlucky: stop the worker rather
@@ -87,7 +89,7 @@ class Worker:
         # the options' as jobs finish.
         self.max_jobs, self.max_questions = options.max_jobs, options.max_questions
         self._runs: dict[int, JobRun] = {}
-        self._answers: list[tuple[JobRun, int, object]] = []  # finished, not yet written
+        self._answers: list[tuple[JobRun, tuple[int, int], object]] = []  # not yet written
         self._lost: threadsafe.SimpleQueue[list[int]] = threadsafe.SimpleQueue()
         self._session = None
         self._leases: LeaseKeeper | None = None
@@ -148,6 +150,7 @@ class Worker:
     def _new_session(self):
         return self.engine.session(on_answer=self._on_answer, on_error=self._on_error)
 
+    # A request's key: (job id, (question id, sample)); the second part is what JobRun tracks.
     def _on_answer(self, req, answer) -> None:
         run = self._runs.get(req.key[0])
         if run is not None and not run.lost:  # a cancelled job's late answers are not wanted
@@ -213,15 +216,19 @@ class Worker:
             try:
                 sampling = _sampling(claim)
             except Exception as exc:  # noqa: BLE001 - one job's bad parameters fail it alone
-                for q in claim.questions:
-                    run.reject(q.id, f"{type(exc).__name__}: {exc}", permanent=True)
+                for wanted in list(run.pending):
+                    run.reject(wanted, f"{type(exc).__name__}: {exc}", permanent=True)
                 continue
             mode = self.options.mode if self.options.mode != "auto" else claim.params.mode
+            # Each missing sample is a question of its own, seeded as the engine seeds sample
+            # s of a question (config.sample_seed), so a resumed job draws what it would have.
             by_mode.setdefault(mode, []).extend(
-                QuestionRequest(key=(claim.job_id, q.id), document=claim.document_text,
-                                question=q.text, sampling=sampling, template=claim.params.template,
-                                template_source=claim.template_source)
-                for q in claim.questions)
+                QuestionRequest(key=(claim.job_id, (q.id, s)), document=claim.document_text,
+                                question=q.text, template=claim.params.template,
+                                sampling=replace(sampling, seed=sample_seed(sampling.seed, s)),
+                                template_source=claim.template_source, choices=q.choices,
+                                choice_norm=claim.params.choice_norm)
+                for q in claim.questions for s in q.samples)
         for mode, requests in by_mode.items():
             try:
                 self._session.submit(requests, mode=mode, streams=self.options.streams)
@@ -251,8 +258,7 @@ class Worker:
         True if a job finished well."""
         if self._answers:
             batch, self._answers = self._answers, []
-            rows = [(qid, a.text, len(a.token_ids), a.finish_reason, a.latency_s)
-                    for _, qid, a in batch]
+            rows = [answer_row(wanted, a) for _, wanted, a in batch]
             try:
                 queue.record_answers(self.db, rows, worker_id=self.options.worker_id)
                 saved = True
@@ -260,13 +266,13 @@ class Worker:
                 saved = False
                 self.progress.message(f"answers not saved yet ({error_reason(exc)})")
             now = time.perf_counter()
-            for run, qid, answer in batch:
+            for run, wanted, answer in batch:
                 if saved:
-                    run.add_answer(qid, answer, now)
+                    run.add_answer(wanted, answer, now)
                     self.progress.answered(run.claim, len(answer.token_ids))
                 else:
-                    run.unsaved.append((qid, answer, None))
-                    run.outstanding.discard(qid)
+                    run.unsaved.append((wanted, answer, None))
+                    run.outstanding.discard(wanted)
         finished_well = False
         for run in [r for r in self._runs.values() if r.settleable]:
             outcome = self._settle(run)
@@ -295,7 +301,7 @@ class Worker:
         if release and run.error is None:
             released = queue.release_jobs(self.db, opts.worker_id, [job_id])
             return JobOutcome.of(run, "released" if job_id in released else "lost")
-        error = run.error or f"the engine returned without answering {len(run.pending)} question(s)"
+        error = run.error or f"the engine returned without {len(run.pending)} answer(s)"
         status = queue.fail_job(self.db, job_id, opts.worker_id, error, opts.max_attempts,
                                 retry=not run.permanent)
         return JobOutcome.of(run, status, error=error)

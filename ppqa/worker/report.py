@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from ppqa.choices import score_records
 from ppqa.store import queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.queue import ClaimedJob
@@ -22,8 +23,9 @@ from ppqa.store.reports import JobReport
 class JobRun:
     claim: ClaimedJob
     started_at: float = 0.0  # perf_counter time of the claim
-    pending: set[int] = field(default_factory=set)  # question ids without a saved answer
-    outstanding: set[int] = field(default_factory=set)  # neither answered nor rejected yet
+    # An answer wanted is a (question id, sample) pair (sample 0 when the job draws one).
+    pending: set[tuple[int, int]] = field(default_factory=set)  # without a saved answer
+    outstanding: set[tuple[int, int]] = field(default_factory=set)  # not answered or rejected
     answered: int = 0
     prompt_tokens: int = 0  # as the engine counts them per question (document + question)
     answer_tokens: int = 0
@@ -35,10 +37,10 @@ class JobRun:
     error: str | None = None
     permanent: bool = False  # retrying cannot help (the prompt does not fit the model)
     lost: bool = False  # cancelled or taken over: not ours to finish
-    unsaved: list = field(default_factory=list)  # (question id, answer, exception)
+    unsaved: list = field(default_factory=list)  # ((question id, sample), answer, exception)
 
     def __post_init__(self) -> None:
-        self.pending = {q.id for q in self.claim.questions}
+        self.pending = {(q.id, s) for q in self.claim.questions for s in q.samples}
         self.outstanding = set(self.pending)
 
     @property
@@ -50,16 +52,16 @@ class JobRun:
         """Nothing of it is left in the engine: every question answered or rejected, or lost."""
         return self.lost or not self.outstanding
 
-    def reject(self, question_id: int, error: str, *, permanent: bool) -> None:
-        """The engine will not answer this question; the first reason is the one shown."""
-        self.outstanding.discard(question_id)
+    def reject(self, wanted: tuple[int, int], error: str, *, permanent: bool) -> None:
+        """The engine will not give this answer; the first reason is the one shown."""
+        self.outstanding.discard(wanted)
         if self.error is None:
             self.error, self.permanent = error, permanent
 
-    def add_answer(self, question_id: int, answer, at: float) -> None:
-        self.outstanding.discard(question_id)
-        if question_id in self.pending:
-            self.pending.discard(question_id)
+    def add_answer(self, wanted: tuple[int, int], answer, at: float) -> None:
+        self.outstanding.discard(wanted)
+        if wanted in self.pending:
+            self.pending.discard(wanted)
             self.answered += 1
             self.answer_tokens += len(answer.token_ids)
             self.prompt_tokens += answer.prompt_tokens
@@ -72,19 +74,33 @@ class JobRun:
     def save_unsaved(self, db: Database, worker_id: str) -> None:
         """Second try for answers whose first write failed (a database briefly unreachable)."""
         still = []
-        for question_id, answer, _ in self.unsaved:
+        for wanted, answer, _ in self.unsaved:
             tokens = len(answer.token_ids)
             try:
-                queue.record_answer(db, question_id, answer.text, tokens, answer.finish_reason,
-                                    total_seconds=answer.latency_s, worker_id=worker_id)
+                queue.record_answer(db, wanted[0], answer.text, tokens, answer.finish_reason,
+                                    total_seconds=answer.latency_s, worker_id=worker_id,
+                                    choice_scores=choice_scores(answer), sample=wanted[1])
             except Exception as exc:  # noqa: BLE001 - the job is then released, not finished
-                still.append((question_id, answer, exc))
+                still.append((wanted, answer, exc))
                 continue
-            self.add_answer(question_id, answer, time.perf_counter())
+            self.add_answer(wanted, answer, time.perf_counter())
         self.unsaved = still
         if still and self.error is None:
             self.error = (f"{len(still)} answer(s) could not be saved: "
                           f"{error_reason(still[-1][2])}")
+
+
+def answer_row(wanted: tuple[int, int], answer) -> tuple:
+    """The row `queue.record_answers` stores for an engine `Answer` of (question id, sample)."""
+    return (wanted[0], answer.text, len(answer.token_ids), answer.finish_reason,
+            answer.latency_s, choice_scores(answer), wanted[1])
+
+
+def choice_scores(answer) -> list[dict] | None:
+    """A chosen answer's per-choice scores as the store keeps them; None for a generated one."""
+    if getattr(answer, "choices", None) is None:
+        return None
+    return score_records(answer.choices, answer.choice_logprobs, answer.choice_probs)
 
 
 def job_report(run: JobRun, options, peak_memory_bytes: int = 0,

@@ -7,6 +7,16 @@ blocks, `prefix` and `question`; `Tokenizer.prompt` wraps them in the model's ch
 has one and tokenizes prefix and each suffix separately, so the split is a token boundary by
 construction and `stock`, `parallel` and `cascade` all see the same ids.
 
+A question with choices also gets each choice's tokens (`ChoiceTokens`): the tokens that
+follow its rendered prompt when the choice's scored text is appended. They are found as
+encode(question text + choice text) minus encode(question text) when the first starts with
+the second (the usual case: byte-level BPE and SentencePiece split before the space or the
+newline that starts a choice). When the tokenizer merges across the boundary (the question's
+last token changes with the choice appended), the choice is encoded on its own instead, so that
+the question's tokens stay the same for every choice (they are shared, see engine/scoring.py):
+then the scored tokens are not exactly those of the joined text, which only matters for
+templates that end the prompt in the middle of a word.
+
 Two tokenizers: `HFTokenizer` wraps a `transformers` tokenizer (built by `loader.py` from an
 HF directory or GGUF metadata, never from the hub); `ByteTokenizer` is the file-free tokenizer of the
 `dummy:` models (UTF-8 bytes plus BOS/EOS).
@@ -20,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ppqa.templates import RENDERED_BLOCK, compile_template, load_template, render_block
+from ppqa.templates import (RENDERED_BLOCK, choice_letters, choice_text, compile_template,
+                             load_template, render_block)
 
 # Splits a rendered chat conversation into the prefix and the per-question part; control
 # characters so that no real text (or chat template) contains it.
@@ -30,9 +41,23 @@ _REPLACEMENT = "\ufffd"
 
 
 @dataclass
+class ChoiceTokens:
+    """A question's choices as scored: each choice's text after the prompt and its tokens."""
+
+    texts: list[str]
+    ids: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if len(self.texts) != len(self.ids) or any(not ids for ids in self.ids):
+            raise ValueError("every choice needs a text and at least one token")
+
+
+@dataclass
 class Prompt:
     prefix_ids: list[int]  # shared: (chat wrapper start) + instruction + document
     suffix_ids: list[list[int]]  # one per question: question + (chat wrapper end) + assistant start
+    # One per question when any question has choices (None for those without), else None.
+    choices: list[ChoiceTokens | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.suffix_ids:
@@ -59,7 +84,8 @@ class Prompt:
             n += 1
         if n == 0:
             return self
-        return Prompt(self.prefix_ids + first[:n], [s[n:] for s in self.suffix_ids])
+        return Prompt(self.prefix_ids + first[:n], [s[n:] for s in self.suffix_ids],
+                      self.choices)
 
 
 class Tokenizer:
@@ -96,12 +122,14 @@ class Tokenizer:
 
     def prompt(self, template: str, document: str, questions: Sequence[str], *,
                variables: Mapping[str, Any] | None = None,
-               template_source: str | None = None) -> Prompt:
+               template_source: str | None = None,
+               choices: Sequence[Sequence[str] | None] | None = None) -> Prompt:
         """Tokenize `questions` about `document` with a template (built-in name or .jinja path).
 
         `variables` are extra names the template may use (e.g. `labels` for the label template).
         `template_source`: the template's text, when the caller holds it (a job stores its user
-        template's text); `template` is then only its name in messages.
+        template's text); `template` is then only its name in messages. `choices`: per
+        question, its labels or None; the prompt then carries each choice's tokens.
         """
         if isinstance(questions, str):
             raise TypeError("questions must be a sequence of strings, not one string")
@@ -113,8 +141,13 @@ class Tokenizer:
         wrap = self.chat_template is not None and RENDERED_BLOCK not in tmpl.blocks
         context = {**(variables or {}), "document": document, "chat": wrap}
         prefix_text = render_block(tmpl, "prefix", context)
-        question_texts = [render_block(tmpl, "question", {**context, "question": q, "index": i})
-                          for i, q in enumerate(questions)]
+        if choices is not None and len(choices) != len(questions):
+            raise ValueError(f"{len(choices)} choice lists for {len(questions)} questions")
+        per_question = list(choices) if choices is not None else [None] * len(questions)
+        contexts = [{**context, "question": q, "index": i, "choices": c and list(c),
+                     "letters": c and choice_letters(len(c))}
+                    for i, (q, c) in enumerate(zip(questions, per_question))]
+        question_texts = [render_block(tmpl, "question", ctx) for ctx in contexts]
         if wrap:
             # Chat templates often trim the message; leading blanks would not survive the split.
             prefix_text = prefix_text.lstrip()
@@ -124,7 +157,29 @@ class Tokenizer:
         prefix_ids = self.encode(prefix_text)
         if self.add_bos and self.bos_token_id is not None and prefix_ids[:1] != [self.bos_token_id]:
             prefix_ids.insert(0, self.bos_token_id)
-        return Prompt(prefix_ids, [self.encode(q) for q in question_texts])
+        suffix_ids = [self.encode(q) for q in question_texts]
+        scored = None
+        if any(c is not None for c in per_question):
+            scored = [None if c is None else
+                      self._choice_tokens(tmpl, ctx, text, ids)
+                      for c, ctx, text, ids in zip(per_question, contexts, question_texts,
+                                                   suffix_ids)]
+        return Prompt(prefix_ids, suffix_ids, scored)
+
+    def _choice_tokens(self, tmpl, context: Mapping[str, Any], question_text: str,
+                       question_ids: list[int]) -> ChoiceTokens:
+        """The tokens of each choice after the question (see the module doc)."""
+        texts, ids = [], []
+        for i in range(len(context["choices"])):
+            text = choice_text(tmpl, context, i)
+            joined = self.encode(question_text + text)
+            n = len(question_ids)
+            tokens = joined[n:] if joined[:n] == question_ids else self.encode(text)
+            if not tokens:
+                raise ValueError(f"choice {context['choices'][i]!r} renders to no tokens")
+            texts.append(text)
+            ids.append(tokens)
+        return ChoiceTokens(texts, ids)
 
     def _chat_wrapper(self, prefix_text: str) -> tuple[str, str]:
         """(text before the prefix, text after each question) in the chat-wrapped conversation."""

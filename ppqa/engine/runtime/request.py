@@ -44,10 +44,30 @@ class Stream:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     matcher: object | None = None  # the grammar state of a JSON answer (runtime/grammar.py)
+    # A scoring stream (engine/runtime/scoring.py): the tokens of the choices it scores, and
+    # their places among its question's choices. None: a stream that generates.
+    choice_ids: list[list[int]] | None = None
+    choice_index: list[int] | None = None
+    sample: int = 0  # which of its question's samples this stream draws
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def choice_tokens(self) -> int:
+        """Choice tokens this stream forwards: none when every choice is one token (the
+        question's last logits score them all)."""
+        if self.choice_ids is None or all(len(c) == 1 for c in self.choice_ids):
+            return 0
+        return sum(len(c) for c in self.choice_ids)
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV slots after the document: the question and its answer budget, or its choices."""
+        if self.choice_ids is not None:
+            return len(self.suffix_ids) + self.choice_tokens
+        return len(self.suffix_ids) + self.sampling.max_new_tokens
 
 
 @dataclass(eq=False)
@@ -61,6 +81,9 @@ class Request:
     prefix_len: int = 0  # row tokens cached so far
     doc_key: bytes = b""  # document_key(doc_ids); computed here unless the caller shares one
     mode: str = "stock"  # how it decodes: "stock" | "cascade" (width 1) | "parallel" (width P)
+    # A parallel request of samples of one question: the question's tokens, once in the row
+    # after the document (stream -1, seen by every stream), and the streams' answers after it.
+    shared_question: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.streams) <= self.width:
@@ -94,9 +117,23 @@ class Request:
         return [len(s.suffix_ids) for s in self.streams]
 
     @property
+    def scoring(self) -> bool:
+        """A request that scores choices (one stream, no decode; see runtime/scoring.py)."""
+        return self.streams[0].choice_ids is not None
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens its prefill step forwards: its questions (and a scoring stream's choices)."""
+        if self.shared_question is not None:
+            return len(self.shared_question)
+        return sum(len(s.suffix_ids) + s.choice_tokens for s in self.streams)
+
+    @property
     def reserve_tokens(self) -> int:
         """KV slots to hold every question and its full answer budget (beyond the document)."""
-        return sum(len(s.suffix_ids) + s.sampling.max_new_tokens for s in self.streams)
+        if self.shared_question is not None:
+            return len(self.shared_question) + sum(s.sampling.max_new_tokens for s in self.streams)
+        return sum(s.reserve_tokens for s in self.streams)
 
     @property
     def is_finished(self) -> bool:
@@ -110,8 +147,12 @@ class Request:
     def start_answers(self) -> None:
         """After the question prefill: every real stream is live at its first answer position."""
         n = len(self.streams)
-        self.prefix_len = self.doc_len + sum(self.question_lens)
-        self.next_pos[:n] = [self.doc_len + q for q in self.question_lens]
+        if self.shared_question is not None:
+            self.prefix_len = self.doc_len + len(self.shared_question)
+            self.next_pos[:n] = self.prefix_len
+        else:
+            self.prefix_len = self.doc_len + sum(self.question_lens)
+            self.next_pos[:n] = [self.doc_len + q for q in self.question_lens]
         self.live[:n] = [not s.cancelled for s in self.streams]
 
     def cancel(self, s: int) -> None:

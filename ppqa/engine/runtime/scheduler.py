@@ -40,6 +40,7 @@ from ppqa.engine.runtime.kv_cache import CachedDocument, DocumentCache, KVPool, 
 from ppqa.engine.runtime.layout import StepLayout, decode_layout, document_layout, question_layout
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.runner import StepInputs
+from ppqa.engine.runtime.scoring import ScoreLayout, score_layout
 from ppqa.engine.runtime.sampling import SamplingBatch
 
 
@@ -122,7 +123,7 @@ class Scheduler:
                 self.admit_blocked = True
                 break
             req = self.waiting[0]
-            q_tokens = sum(req.question_lens)
+            q_tokens = req.prefill_tokens
             if admitted and tokens + q_tokens > self.max_prefill_tokens:
                 break  # the next `admit` takes more
             if not self._allocate(req):
@@ -246,7 +247,7 @@ class Scheduler:
         for req in self.prefilling:
             if not req.doc.ready:
                 continue
-            q = sum(req.question_lens)
+            q = req.prefill_tokens
             if out and tokens + q > self.max_prefill_tokens:
                 break
             out.append(req)
@@ -268,8 +269,16 @@ class Scheduler:
         ids, positions, sids, rows, lasts, counts, bases = [], [], [], [], [], [], []
         offset = rows_out = 0
         for req in requests:
-            layout, last = question_layout(req.doc_len, req.question_lens)
-            ids.extend(i for s in req.streams for i in s.suffix_ids)
+            if req.shared_question is not None:
+                # One question for every stream: written once, as the document is; each
+                # stream's first token comes from its last position.
+                q_len = len(req.shared_question)
+                layout = document_layout(req.doc_len, req.doc_len + q_len)
+                last = torch.full((len(req.streams),), q_len - 1, dtype=torch.int64)
+                ids.extend(req.shared_question)
+            else:
+                layout, last = question_layout(req.doc_len, req.question_lens)
+                ids.extend(i for s in req.streams for i in s.suffix_ids)
             positions.append(layout.positions)
             sids.append(layout.q_sid)
             rows.append(layout.row_pos)
@@ -296,6 +305,29 @@ class Scheduler:
             req.num_out[:len(req.streams)] += 1
             req.pending_step, req.pending_row = step.uid, base
         return step
+
+    def score_step(self, requests: Sequence[Request], cascade: bool = False
+                   ) -> tuple[StepInputs, ScoreLayout]:
+        """One packed extend of scoring requests (runtime/scoring.py): each row holds its
+        question and its choices after the document; cascade as in `prefill_step`."""
+        if cascade:
+            requests = sorted(requests, key=lambda r: r.doc.uid)
+        plan = score_layout(requests)
+        inputs = StepInputs(
+            kind="extend", input_ids=plan.input_ids, layout=plan.layout,
+            qo_indptr=torch.tensor([0] + plan.counts).cumsum(0),
+            req_rows=torch.tensor([r.row for r in requests]),
+            kv_start=torch.tensor([r.doc_len if cascade else 0 for r in requests]),
+            prefix_lens=torch.tensor([r.doc_len for r in requests]),
+            logit_indices=plan.logit_indices, **self._doc_runs(requests, 0),
+            cascade_groups=self._groups(requests, 0, lambda r: True) if cascade else None)
+        return inputs, plan
+
+    def retire(self, requests: Sequence[Request]) -> None:
+        """Scored requests leave at once: nothing of theirs decodes."""
+        for req in requests:
+            self.release(req)
+        self.running = [r for r in self.running if r.row >= 0]
 
     def decode_batches(self) -> list[list[Request]]:
         """The running requests that have a stream to feed, as the steps that serve them: one
