@@ -7,6 +7,8 @@
     run(requests) -> a session fed once and drained; answers handed to `on_answer`.
 `answer(document, questions)` is `run` for one document, returning answers in question order.
 The document cache outlives sessions, so a document is prefilled once per engine.
+With `EngineConfig.tensor_parallel` N > 1 one Engine is built per rank (process): rank 0 is used
+as above and ends with `shutdown()`; the others call `follow()` (engine/parallel/lockstep.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,27 @@ class Engine:
         """Decode steps captured as CUDA graphs so far (one per step shape)."""
         graphs = self._parts.runner.graphs
         return 0 if graphs is None else len(graphs.graphs)
+
+    @property
+    def rank(self) -> int:
+        """This process's tensor-parallel rank (0 without tensor parallelism)."""
+        lockstep = self._parts.lockstep
+        return 0 if lockstep is None else lockstep.tp.rank
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks other than 0: repeat rank 0's sessions until its `shutdown()`."""
+        from ppqa.engine.parallel.lockstep import follow
+
+        follow(self)
+
+    def shutdown(self) -> None:
+        """Rank 0 of a tensor-parallel engine: release the followers (their `follow()` returns).
+        Idempotent; nothing to do without tensor parallelism."""
+        lockstep = self._parts.lockstep
+        if lockstep is not None and lockstep.is_leader and not lockstep.closed:
+            lockstep.post("exit")
+            lockstep.send()
+            lockstep.closed = True
 
     @property
     def kv_free_tokens(self) -> int:

@@ -1,0 +1,146 @@
+"""Tensor-parallel ranks in lockstep: rank 0 decides, the others repeat its session's calls.
+
+Every rank keeps a full copy of the bookkeeping (scheduler, KV slot allocator, req_to_token
+table, document cache) and runs it on its own shard of the model. The scheduler is
+deterministic: given the same calls in the same order and the same sampled tokens, every rank
+plans the same steps, so the ranks meet at each collective with the same shapes. Rank 0 (the
+leader) therefore sends no step plans, only what its sessions were asked to do:
+
+    leader:   EngineSession.submit / cancel / flush / close  -> recorded (`post`)
+              EngineSession.step                            -> recorded, and everything recorded
+                                                               since the last step goes to the
+                                                               followers in ONE broadcast (`send`)
+    follower: `follow(engine)` receives each batch and makes the same calls on its sessions.
+
+A cancel is sent as the positions at which the leader's predicate said yes (the scheduler asks
+it about its streams in a fixed order), because the predicate itself (a closure over job ids)
+cannot travel. The tokens each step samples are broadcast from rank 0 (`share_tokens`, a tiny
+collective on the device, no host wait), so that followers can never drift from the leader even
+if two ranks' logits differed in the last bit. Commands travel pickled over a gloo group;
+`Engine.shutdown()` sends "exit", which ends `follow`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from ppqa.engine.parallel.tensor_parallel import TensorParallel
+
+
+class Lockstep:
+    """The leader's record of session calls, and both ends of their broadcast."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+        self._pending: list[tuple] = []
+        self._session_ids = itertools.count()
+        self.closed = False
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp.is_leader
+
+    def open_session(self, has_on_error: bool) -> int:
+        sid = next(self._session_ids)
+        self.post("open", sid, has_on_error)
+        return sid
+
+    def post(self, *command) -> None:
+        """Record one session call (leader); it leaves with the next `send`."""
+        self._pending.append(command)
+
+    def send(self) -> None:
+        """Broadcast what was recorded since the last send (leader)."""
+        import torch.distributed as dist
+
+        batch, self._pending = self._pending, []
+        dist.broadcast_object_list([batch], src=0, group=self.tp.control)
+
+    def receive(self) -> list[tuple]:
+        """The leader's next batch of calls (follower)."""
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.tp.control)
+        return box[0]
+
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Every rank ends with rank 0's sampled tokens."""
+        import torch.distributed as dist
+
+        dist.broadcast(tokens, src=0, group=self.tp.group)
+        return tokens
+
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (e.g. KV slots: every pool must be the same)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp.group)
+        return int(t.item())
+
+
+def recording_predicate(doomed: Callable[[object], bool]
+                        ) -> tuple[Callable[[object], bool], list[int]]:
+    """`doomed`, wrapped to note the positions (in call order) at which it said yes."""
+    calls, hits = itertools.count(), []
+
+    def pick(key) -> bool:
+        position = next(calls)
+        if doomed(key):
+            hits.append(position)
+            return True
+        return False
+
+    return pick, hits
+
+
+def replaying_predicate(hits: list[int]) -> Callable[[object], bool]:
+    """Says yes at the positions a leader's `recording_predicate` noted."""
+    calls, chosen = itertools.count(), set(hits)
+    return lambda _key: next(calls) in chosen
+
+
+def _ignore(_request, _error) -> None:
+    """A follower's rejections: the leader reports them; the follower only keeps in step."""
+
+
+def follow(engine) -> None:
+    """A follower's life: repeat the leader's session calls until it shuts the engine down."""
+    from ppqa.engine.session import EngineSession
+
+    lockstep = engine.parts.lockstep
+    if lockstep is None or lockstep.is_leader:
+        raise ValueError("follow() runs on a tensor-parallel rank other than 0")
+    sessions: dict[int, EngineSession] = {}
+    while True:
+        for op, *args in lockstep.receive():
+            if op == "exit":
+                for session in sessions.values():
+                    session.close()
+                lockstep.closed = True
+                return
+            sid, rest = args[0], args[1:]
+            if op == "open":
+                sessions[sid] = EngineSession(engine, None, _ignore if rest[0] else None,
+                                              following=sid)
+                continue
+            session = sessions[sid]
+            if op == "submit":
+                try:
+                    session.submit(rest[0], mode=rest[1], streams=rest[2])
+                except Exception:  # noqa: BLE001 - the leader raised the same error to its caller
+                    pass
+            elif op == "cancel":
+                session.sched.cancel(replaying_predicate(rest[0]))
+            elif op == "step":
+                session.step()
+            elif op == "flush":
+                session.flush()
+            elif op == "close":
+                sessions.pop(sid).close()
+            else:
+                raise ValueError(f"unknown lockstep command {op!r}")

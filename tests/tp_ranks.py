@@ -1,0 +1,68 @@
+"""The ranks of the tensor-parallel tests (tests/test_tensor_parallel.py), one process each.
+
+`run_rank(rank, world, port, out_dir, requests)` joins a gloo group on 127.0.0.1, builds the
+tiny GQA engine with `tensor_parallel=world`, and then rank 0 answers `requests` in every mode,
+and once more in a session that cancels a third of them after three steps, while the other
+ranks `follow()`; last, every rank tries to build dummy:tiny-odd at the same tensor_parallel and
+notes the refusal. Each rank writes what it saw to `out_dir/rank<r>.pkl` for the test to check.
+A module of its own because torch.multiprocessing's spawn imports the entry point by name.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from pathlib import Path
+
+MODES = (("stock", None), ("parallel", 4), ("cascade", None), ("auto", None))
+ENGINE_CONFIG = {"seed": 3, "kv_token_budget": 700}  # requests wait for KV: admission drains
+
+
+def cancelled(key) -> bool:
+    return key[1] % 3 == 0
+
+
+def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ppqa import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    seen: dict = {"rank": rank}
+    try:
+        engine = Engine("dummy:tiny-gqa", device="cpu",
+                        config=EngineConfig(tensor_parallel=world, **ENGINE_CONFIG))
+        seen["kv_heads"] = engine.parts.pool.kv.shape[3]
+        seen["kv_slots"] = engine.parts.pool.num_slots
+        if rank == 0:
+            for mode, streams in MODES:
+                got = {}
+                engine.run(requests, mode=mode, streams=streams,
+                           on_answer=lambda r, a: got.__setitem__(r.key, list(a.token_ids)))
+                seen[mode] = got
+            got = {}
+            session = engine.session(lambda r, a: got.__setitem__(r.key, list(a.token_ids)))
+            session.submit(requests, mode="stock")
+            for _ in range(3):
+                session.step()
+            seen["dropped"] = session.cancel(lambda r: cancelled(r.key))
+            session.drain()
+            session.flush()
+            session.close()
+            seen["after_cancel"] = got
+            engine.shutdown()
+        else:
+            engine.follow()
+            seen["followed"] = True
+        seen["free_slots"] = engine.parts.pool.allocator.num_free
+        seen["free_rows"] = engine.parts.table.num_free_rows
+        try:
+            Engine("dummy:tiny-odd", device="cpu", config=EngineConfig(tensor_parallel=world))
+        except ValueError as exc:
+            seen["odd_refusal"] = str(exc)
+    finally:
+        (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
+        dist.destroy_process_group()
