@@ -1,7 +1,8 @@
 """The ranks of the tensor-parallel tests (tests/test_tensor_parallel.py), one process each.
 
-`run_rank(rank, world, port, out_dir, requests)` joins a gloo group on 127.0.0.1, builds the
-tiny GQA engine with `tensor_parallel=world`, and then rank 0 answers `requests` in every mode,
+`run_rank(rank, world, port, out_dir, requests, on_gpus)` joins a group on 127.0.0.1 (gloo on the
+CPU; NCCL with rank r on cuda:r, in fp32, for tests/gpu), builds the tiny GQA engine with
+`tensor_parallel=world`, and then rank 0 answers `requests` in every mode,
 and once more in a session that cancels a third of them after three steps, while the other
 ranks `follow()`; last, every rank tries to build dummy:tiny-odd at the same tensor_parallel and
 notes the refusal. Each rank writes what it saw to `out_dir/rank<r>.pkl` for the test to check.
@@ -22,19 +23,22 @@ def cancelled(key) -> bool:
     return key[1] % 3 == 0
 
 
-def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list) -> None:
+def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list,
+             on_gpus: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
     from ppqa import Engine, EngineConfig
+    from ppqa.engine.parallel.launch import join_group
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    device = f"cuda:{rank}" if on_gpus else "cpu"
+    join_group(rank, world, port, device, timeout=timedelta(seconds=120))
     seen: dict = {"rank": rank}
     try:
-        engine = Engine("dummy:tiny-gqa", device="cpu",
+        engine = Engine("dummy:tiny-gqa", device=device, dtype="float32",
                         config=EngineConfig(tensor_parallel=world, **ENGINE_CONFIG))
+        seen["graphs"] = engine.config.cuda_graphs
         seen["kv_heads"] = engine.parts.pool.kv.shape[3]
         seen["kv_slots"] = engine.parts.pool.num_slots
         if rank == 0:
@@ -53,6 +57,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list) -> 
             session.flush()
             session.close()
             seen["after_cancel"] = got
+            seen["captured"] = engine.captured_graphs
             engine.shutdown()
         else:
             engine.follow()
@@ -60,7 +65,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list) -> 
         seen["free_slots"] = engine.parts.pool.allocator.num_free
         seen["free_rows"] = engine.parts.table.num_free_rows
         try:
-            Engine("dummy:tiny-odd", device="cpu", config=EngineConfig(tensor_parallel=world))
+            Engine("dummy:tiny-odd", device=device, config=EngineConfig(tensor_parallel=world))
         except ValueError as exc:
             seen["odd_refusal"] = str(exc)
     finally:

@@ -37,7 +37,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(rank: int, world: int, port: int, device: str) -> None:
+def join_group(rank: int, world: int, port: int, device: str,
+               timeout: timedelta = GROUP_TIMEOUT) -> None:
+    """Join rank `rank` of `world` on 127.0.0.1:`port`: NCCL on a CUDA device (made current),
+    gloo on the CPU."""
     import torch
     import torch.distributed as dist
 
@@ -48,7 +51,7 @@ def _join(rank: int, world: int, port: int, device: str) -> None:
         torch.cuda.set_device(torch.device(device))
         backend = "nccl"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=GROUP_TIMEOUT)
+                            world_size=world, timeout=timeout)
 
 
 def _die_with_parent() -> None:
@@ -71,7 +74,7 @@ def follower_main(rank: int, world: int, port: int, model: str, device: str,
     from ppqa.config import EngineConfig
     from ppqa.engine.engine import Engine
 
-    _join(rank, world, port, device)
+    join_group(rank, world, port, device)
     try:
         engine = Engine(model, device=device,
                         config=EngineConfig(tensor_parallel=world, **config_fields))
@@ -130,7 +133,7 @@ def start_engine(model: str, devices: list[str], **config_fields):
         p.start()
     group = RankGroup(processes)
     try:
-        _join(0, world, port, devices[0])
+        join_group(0, world, port, devices[0])
         engine = Engine(model, device=devices[0],
                         config=EngineConfig(tensor_parallel=world, **config_fields))
     except BaseException:
