@@ -26,10 +26,9 @@ def cancelled(key) -> bool:
 def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list,
              on_gpus: bool = False) -> None:
     import torch
-    import torch.distributed as dist
 
     from ppqa import Engine, EngineConfig
-    from ppqa.engine.parallel.launch import join_group
+    from ppqa.engine.parallel.launch import join_group, leave_group
 
     torch.set_num_threads(1)
     device = f"cuda:{rank}" if on_gpus else "cpu"
@@ -70,4 +69,4 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list,
             seen["odd_refusal"] = str(exc)
     finally:
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
-        dist.destroy_process_group()
+    leave_group()

@@ -91,7 +91,7 @@ class Engine:
 
     def follow(self) -> None:
         """Tensor-parallel ranks other than 0: repeat rank 0's sessions until its `shutdown()`."""
-        from ppqa.engine.parallel.lockstep import follow
+        from ppqa.engine.parallel.follower import follow
 
         follow(self)
 

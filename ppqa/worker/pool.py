@@ -125,9 +125,12 @@ class WorkerPool:
 
     def _merge(self, wall: float) -> WorkerSummary:
         done = [c.summary for c in self.children if c.summary is not None]
+        # The workers run side by side: the longest one's running time (after its start-up, as
+        # one worker counts it); the parent's whole time only if none reported.
         merged = WorkerSummary(worker_id=f"{default_worker_id()} ({len(self.children)} workers)",
                                model=self.model, device=",".join(c.label for c in self.children),
-                               jobs=[job for s in done for job in s.jobs], wall_seconds=wall)
+                               jobs=[job for s in done for job in s.jobs],
+                               wall_seconds=max((s.wall_seconds for s in done), default=wall))
         merged.stopped_by = self.stop_reason or next((s.stopped_by for s in done if s.stopped_by),
                                                      None)
         merged.last_error = next((s.last_error for s in done if s.last_error), None)

@@ -54,6 +54,15 @@ def join_group(rank: int, world: int, port: int, device: str,
                             world_size=world, timeout=timeout)
 
 
+def leave_group() -> None:
+    """Every rank together (a barrier), then the group is destroyed: a rank that tore its
+    group down while another still used it could abort at exit."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent (rank 0) exits, however it exits."""
     try:
@@ -82,6 +91,7 @@ def follower_main(rank: int, world: int, port: int, model: str, device: str,
         print(f"tensor-parallel rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(2)
     engine.follow()
+    leave_group()
 
 
 class RankGroup:
@@ -111,6 +121,7 @@ class RankGroup:
         self._closing = True
         if self.engine is not None:
             self.engine.shutdown()
+            leave_group()
         for p in self.processes:
             p.join(timeout)
             if p.is_alive():

@@ -10,7 +10,8 @@ leader) therefore sends no step plans, only what its sessions were asked to do:
               EngineSession.step                            -> recorded, and everything recorded
                                                                since the last step goes to the
                                                                followers in ONE broadcast (`send`)
-    follower: `follow(engine)` receives each batch and makes the same calls on its sessions.
+    follower: `follower.follow(engine)` receives each batch and makes the same calls on its
+              sessions.
 
 A cancel is sent as the positions at which the leader's predicate said yes (the scheduler asks
 it about its streams in a fixed order), because the predicate itself (a closure over job ids)
@@ -102,45 +103,3 @@ def replaying_predicate(hits: list[int]) -> Callable[[object], bool]:
     """Says yes at the positions a leader's `recording_predicate` noted."""
     calls, chosen = itertools.count(), set(hits)
     return lambda _key: next(calls) in chosen
-
-
-def _ignore(_request, _error) -> None:
-    """A follower's rejections: the leader reports them; the follower only keeps in step."""
-
-
-def follow(engine) -> None:
-    """A follower's life: repeat the leader's session calls until it shuts the engine down."""
-    from ppqa.engine.session import EngineSession
-
-    lockstep = engine.parts.lockstep
-    if lockstep is None or lockstep.is_leader:
-        raise ValueError("follow() runs on a tensor-parallel rank other than 0")
-    sessions: dict[int, EngineSession] = {}
-    while True:
-        for op, *args in lockstep.receive():
-            if op == "exit":
-                for session in sessions.values():
-                    session.close()
-                lockstep.closed = True
-                return
-            sid, rest = args[0], args[1:]
-            if op == "open":
-                sessions[sid] = EngineSession(engine, None, _ignore if rest[0] else None,
-                                              following=sid)
-                continue
-            session = sessions[sid]
-            if op == "submit":
-                try:
-                    session.submit(rest[0], mode=rest[1], streams=rest[2])
-                except Exception:  # noqa: BLE001 - the leader raised the same error to its caller
-                    pass
-            elif op == "cancel":
-                session.sched.cancel(replaying_predicate(rest[0]))
-            elif op == "step":
-                session.step()
-            elif op == "flush":
-                session.flush()
-            elif op == "close":
-                sessions.pop(sid).close()
-            else:
-                raise ValueError(f"unknown lockstep command {op!r}")
