@@ -1,7 +1,8 @@
 """The queue API the worker uses: claim jobs with a lease, heartbeat, record answers, finish.
 
-Data flow: `claim_jobs` hands a worker every claimable job of ONE document (highest priority,
-then oldest first) with the document's text and each job's UNANSWERED questions; the worker
+Data flow: `claim_jobs` hands a worker every claimable job of ONE document (highest priority
+first; among equals a document this worker is running first, whose KV it already holds, one no
+live worker holds next, one another worker is running last; then oldest first) with the document's text and each job's UNANSWERED questions; the worker
 generates without any transaction open, writes each answer with `record_answer` as soon as it
 is done (its own short transaction), extends its leases with `heartbeat`, and ends each job
 with `finish_job` (report row), `fail_job` or, on shutdown, `release_jobs`.
@@ -20,6 +21,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import aliased
 
 from ppqa.store.db import Database
 from ppqa.store.errors import InputError, StoreError
@@ -79,6 +81,7 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
     order = (Job.priority.desc(), Job.created_at, Job.id)
     with db.write() as conn:
         now = db.now(conn)
+        head_order = (Job.priority.desc(), _affinity(now, worker_id), Job.created_at, Job.id)
         expired = (Job.status == RUNNING) & (Job.lease_expires_at < now)
         # A dead worker that had written every answer only lost the finishing step: done, not
         # failed, whatever its attempts.
@@ -93,7 +96,8 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
         params: dict[int, GenerationParams] = {}
         while not chosen:  # a document whose jobs all turn out answered: try the next one
             head = conn.execute(select(Job.document_id).where(_claimable(now, model))
-                                .order_by(*order).limit(1).with_for_update(skip_locked=True)).first()
+                                .order_by(*head_order).limit(1)
+                                .with_for_update(skip_locked=True)).first()
             if head is None:
                 return []
             rows = conn.execute(
@@ -133,6 +137,20 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                        questions=open_questions[r.id], lease_expires_at=expires,
                        template_source=r.template_source)
             for r in chosen]
+
+
+def _affinity(now: datetime, worker_id: str):
+    """0 for a document with a job this worker runs (its KV is likely still in its engine), 2
+    for one another live worker runs (claiming it would prefill it twice), 1 otherwise."""
+    held = aliased(Job)
+
+    def running(owner) -> object:
+        return (select(held.id).where(held.document_id == Job.document_id,
+                                      held.status == RUNNING, held.lease_expires_at >= now,
+                                      owner).exists())
+
+    return case((running(held.lease_owner == worker_id), 0),
+                (running(held.lease_owner != worker_id), 2), else_=1)
 
 
 def _unanswered(conn, job_ids: list[int]) -> dict[int, list[ClaimedQuestion]]:
