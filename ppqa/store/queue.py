@@ -21,7 +21,6 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import and_, case, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import aliased
 
 from ppqa.store.db import Database
 from ppqa.store.errors import InputError, StoreError
@@ -81,7 +80,6 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
     order = (Job.priority.desc(), Job.created_at, Job.id)
     with db.write() as conn:
         now = db.now(conn)
-        head_order = (Job.priority.desc(), _affinity(now, worker_id), Job.created_at, Job.id)
         expired = (Job.status == RUNNING) & (Job.lease_expires_at < now)
         # A dead worker that had written every answer only lost the finishing step: done, not
         # failed, whatever its attempts.
@@ -95,9 +93,7 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
         chosen: list = []
         params: dict[int, GenerationParams] = {}
         while not chosen:  # a document whose jobs all turn out answered: try the next one
-            head = conn.execute(select(Job.document_id).where(_claimable(now, model))
-                                .order_by(*head_order).limit(1)
-                                .with_for_update(skip_locked=True)).first()
+            head = _next_document(conn, now, model, worker_id, order)
             if head is None:
                 return []
             rows = conn.execute(
@@ -139,18 +135,31 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
             for r in chosen]
 
 
-def _affinity(now: datetime, worker_id: str):
-    """0 for a document with a job this worker runs (its KV is likely still in its engine), 2
-    for one another live worker runs (claiming it would prefill it twice), 1 otherwise."""
-    held = aliased(Job)
-
-    def running(owner) -> object:
-        return (select(held.id).where(held.document_id == Job.document_id,
-                                      held.status == RUNNING, held.lease_expires_at >= now,
-                                      owner).exists())
-
-    return case((running(held.lease_owner == worker_id), 0),
-                (running(held.lease_owner != worker_id), 2), else_=1)
+def _next_document(conn, now: datetime, model: str | None, worker_id: str, order):
+    """The row naming the document to claim next, or None. Among the claimable jobs of the top
+    priority: a document with a job this worker runs (its KV is likely still in its engine),
+    else the oldest one no other live worker runs (claiming that would prefill it twice), else
+    the first in the usual order. Each look is an ordered scan that stops at its first row."""
+    claimable = _claimable(now, model)
+    top = conn.execute(select(func.max(Job.priority)).where(claimable)).scalar()
+    if top is None:
+        return None
+    live = (Job.status == RUNNING) & (Job.lease_expires_at >= now)
+    mine = select(Job.document_id).where(live, Job.lease_owner == worker_id)
+    others = select(Job.document_id).where(live, Job.lease_owner != worker_id)
+    at_top = Job.priority == top
+    # The last look is the plain one: it also finds lower priorities when every top job is
+    # locked by a concurrent claim (PostgreSQL's SKIP LOCKED).
+    for preferred in (at_top & Job.document_id.in_(mine),
+                      at_top & Job.document_id.not_in(others), None):
+        query = select(Job.document_id).where(claimable)
+        if preferred is not None:
+            query = query.where(preferred)
+        head = conn.execute(query.order_by(*order).limit(1)
+                            .with_for_update(skip_locked=True)).first()
+        if head is not None:
+            return head
+    return None
 
 
 def _unanswered(conn, job_ids: list[int]) -> dict[int, list[ClaimedQuestion]]:
