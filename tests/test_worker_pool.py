@@ -72,9 +72,9 @@ def _store(db_location: str) -> dict:
         db.close()
 
 
-def _ppqa(tmp_path: Path, db: str, *args: str) -> subprocess.Popen:
+def _ppqa(tmp_path: Path, db: str, *args: str, **env_vars: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PPQA_HOME": str(tmp_path / "home"),
-           "PPQA_DB": db, "PPQA_LOG_INTERVAL": "1", "OMP_NUM_THREADS": "1"}
+           "PPQA_DB": db, "PPQA_LOG_INTERVAL": "1", "OMP_NUM_THREADS": "1", **env_vars}
     return subprocess.Popen([sys.executable, "-m", "ppqa", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -90,8 +90,10 @@ def _split_run(tmp_path: Path, db: str, model: str) -> tuple[int, str]:
 def test_two_workers_answer_every_question_once_with_one_summary(tmp_path: Path) -> None:
     db = str(tmp_path / "jobs.db")
     _queue(db, documents=6, questions=3, max_new_tokens=12)
+    # A PPQA_GPU left in the environment names one worker's GPU: --gpus on the line wins, and
+    # the children do not inherit it.
     proc = _ppqa(tmp_path, db, "run", "--devices", "cpu,cpu", "--model", MODEL,
-                 "--max-jobs", "1", "--json")
+                 "--max-jobs", "1", "--json", PPQA_GPU="0")
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err
     summary = json.loads(out)  # ONE summary on stdout, merged from both workers

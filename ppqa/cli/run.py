@@ -139,6 +139,9 @@ def run(
     ranks = None
     try:
         began = time.perf_counter()
+        from_env = getattr(ctx.get_parameter_source("gpu"), "name", "") == "ENVIRONMENT"
+        if (gpus is not None or devices is not None) and from_env:
+            gpu = None  # PPQA_GPU names one worker's GPU; --gpus on the line wins
         groups = device_groups(gpus, devices, tensor_parallel, gpu=gpu, device=device)
         if groups is not None and len(groups) > 1:
             from ppqa.worker.pool import Child

@@ -80,7 +80,8 @@ class WorkerPool:
             os._exit(128 + signum)
 
     def start(self) -> None:
-        env = {**os.environ, "PPQA_DB": self.db_url}
+        # Each child gets its device on its command line, not from the parent's PPQA_GPU.
+        env = {k: v for k, v in os.environ.items() if k != "PPQA_GPU"} | {"PPQA_DB": self.db_url}
         for child in self.children:
             child.process = subprocess.Popen(
                 [sys.executable, "-m", "ppqa", *child.argv], env=env, stdin=subprocess.DEVNULL,
