@@ -52,6 +52,7 @@ def test_a_cancel_mid_run_keeps_the_ranks_in_step(two_ranks) -> None:
     assert kept <= set(leader["after_cancel"])  # every question not cancelled is answered ...
     assert {k: leader["after_cancel"][k] for k in kept} == {k: reference[k] for k in kept}
     assert ranks[1]["followed"] is True  # ... and the follower left when the leader shut down
+    assert "call engine.follow()" in ranks[1]["session_refusal"]  # only rank 0 opens sessions
     for seen in ranks:  # both ranks end with the same free KV and rows: the same decisions
         assert (seen["free_slots"], seen["free_rows"]) == (ranks[0]["free_slots"],
                                                            ranks[0]["free_rows"])
@@ -109,7 +110,8 @@ def test_the_70b_preset_splits_over_two_or_eight_ranks_but_not_three() -> None:
     config, _, _ = preset_config("llama-3-70b")
     assert (config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
             config.num_kv_heads, config.vocab_size) == (80, 8192, 28672, 64, 8, 128256)
-    assert config.rope_scaling["rope_type"] == preset_config("llama-3-8b")[0].rope_scaling["rope_type"]
+    assert config.rope_scaling == preset_config("llama-3-8b")[0].rope_scaling
+    assert config.rope_theta == preset_config("llama-3-8b")[0].rope_theta
     for world in (1, 2, 8):
         check_divisible(config, world)
     with pytest.raises(ValueError, match="64 attention heads, 8 KV heads"):

@@ -59,6 +59,10 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list,
             seen["captured"] = engine.captured_graphs
             engine.shutdown()
         else:
+            try:
+                engine.session()
+            except ValueError as exc:
+                seen["session_refusal"] = str(exc)
             engine.follow()
             seen["followed"] = True
         seen["free_slots"] = engine.parts.pool.allocator.num_free

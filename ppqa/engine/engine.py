@@ -141,7 +141,15 @@ class Engine:
                 ) -> EngineSession:
         """A long-lived loop over this engine: `submit` questions while it runs, `step` it,
         answers go to `on_answer` as they finish (see engine/session.py)."""
-        return EngineSession(self, on_answer, on_error)
+        lockstep = self._parts.lockstep
+        if lockstep is None:
+            return EngineSession(self, on_answer, on_error)
+        if not lockstep.is_leader:
+            raise ValueError(f"tensor-parallel rank {lockstep.tp.rank} repeats rank 0's "
+                             "sessions: call engine.follow(), not session()")
+        from ppqa.engine.parallel.lockstep import LeaderSession
+
+        return LeaderSession(self, on_answer, on_error)
 
     def run(self, requests: Sequence[QuestionRequest], *, mode: str = "auto",
             streams: int | str | None = None,

@@ -16,9 +16,10 @@ overlaps the GPU. `Engine.run` and `Engine.answer` are a session that is fed onc
 the worker keeps one session for its whole life and feeds it as jobs arrive. The document cache
 belongs to the engine, so a document is prefilled once per engine, whichever session asks.
 
-Under tensor parallelism every rank runs its own session over its shard: rank 0's public calls
-(submit, cancel, step, flush, close) are recorded and repeated by the other ranks
-(`engine/parallel/lockstep.py`), and each step's sampled tokens are rank 0's.
+Under tensor parallelism every rank runs a subclass of this session over its shard
+(`engine/parallel/lockstep.py`): rank 0's public calls are repeated by the other ranks, and
+each step's sampled tokens (`_sample`) are rank 0's. Internal reads back use `_flush`, so that
+only a caller's `flush` is a call to repeat.
 """
 
 from __future__ import annotations
@@ -72,17 +73,9 @@ class EngineSession:
     iteration, `cancel` drops questions; answers and rejections go to the callbacks."""
 
     def __init__(self, engine, on_answer: AnswerCallback | None = None,
-                 on_error: ErrorCallback | None = None, *, following: int | None = None) -> None:
+                 on_error: ErrorCallback | None = None) -> None:
         self.engine = engine
         self._parts = parts = engine._parts
-        # Tensor parallelism: the leader records its calls for the followers (see module doc).
-        self._lockstep = lockstep = parts.lockstep
-        self._leading = lockstep if lockstep is not None and lockstep.is_leader else None
-        if lockstep is not None and self._leading is None and following is None:
-            raise ValueError(f"tensor-parallel rank {lockstep.tp.rank} follows rank 0's "
-                             "sessions: call engine.follow(), not session()")
-        self._sid = following if self._leading is None else self._leading.open_session(
-            on_error is not None)
         self.on_answer, self.on_error = on_answer, on_error
         self.sched = Scheduler(parts.pool, parts.table, parts.docs,
                                max_prefill_tokens=engine.config.max_prefill_tokens,
@@ -111,8 +104,6 @@ class EngineSession:
         check_mode(mode)
         if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
             raise ValueError(f"streams must be None, 'auto' or an integer >= 1, got {streams!r}")
-        if self._leading is not None:
-            self._leading.post("submit", self._sid, list(requests), mode, streams)
         engine = self.engine
         accepted = 0
         for doc_ids, group in self._prepare(requests):
@@ -130,14 +121,7 @@ class EngineSession:
     def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
         """Drop the questions that `doomed(request)` picks, queued or running: they get no
         answer, and their KV and rows are free for others at once. Returns how many."""
-        if self._leading is not None:
-            from ppqa.engine.parallel.lockstep import recording_predicate
-
-            doomed, hits = recording_predicate(doomed)
-            dropped = len(self.sched.cancel(doomed))
-            self._leading.post("cancel", self._sid, hits)
-        else:
-            dropped = len(self.sched.cancel(doomed))
+        dropped = len(self.sched.cancel(doomed))
         self.stats.cancelled += dropped
         return dropped
 
@@ -165,9 +149,6 @@ class EngineSession:
     def step(self) -> bool:
         """One iteration: schedule (admit, prefill), run (decode), postprocess. False when
         there was nothing to do."""
-        if self._leading is not None:
-            self._leading.post("step", self._sid)
-            self._leading.send()
         sched = self.sched
         if not sched.has_work():
             self._flush()
@@ -189,8 +170,6 @@ class EngineSession:
 
     def flush(self) -> None:
         """Read back the step in flight, if any."""
-        if self._leading is not None:
-            self._leading.post("flush", self._sid)
         self._flush()
 
     def _flush(self) -> None:
@@ -200,8 +179,6 @@ class EngineSession:
 
     def close(self) -> RunStats:
         """Drop whatever is left (a stop or an error) and return the session's statistics."""
-        if self._leading is not None and not self._leading.closed:
-            self._leading.post("close", self._sid)
         self._in_flight = None
         self.sched.abort_all()
         if self._cuda:
@@ -346,10 +323,10 @@ class EngineSession:
     def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
         logits = self._parts.runner.run(step.inputs, None if prev is None else prev.tokens)
         self.stats.steps += 1
-        tokens = sample(logits, step.sampling)
-        if self._lockstep is not None:
-            tokens = self._lockstep.share_tokens(tokens)
-        return _Launched(step, tokens, time.perf_counter())
+        return _Launched(step, self._sample(logits, step), time.perf_counter())
+
+    def _sample(self, logits: torch.Tensor, step: PlannedStep) -> torch.Tensor:
+        return sample(logits, step.sampling)
 
     def _finish(self, launched: _Launched, charge: bool = True) -> None:
         tokens = launched.read()

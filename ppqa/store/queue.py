@@ -2,10 +2,11 @@
 
 Data flow: `claim_jobs` hands a worker every claimable job of ONE document (highest priority
 first; among equals a document this worker is running first, whose KV it already holds, one no
-live worker holds next, one another worker is running last; then oldest first) with the document's text and each job's UNANSWERED questions; the worker
-generates without any transaction open, writes each answer with `record_answer` as soon as it
-is done (its own short transaction), extends its leases with `heartbeat`, and ends each job
-with `finish_job` (report row), `fail_job` or, on shutdown, `release_jobs`.
+live worker holds next, one another worker is running last; then oldest first) with the
+document's text and each job's UNANSWERED questions; the worker generates without any
+transaction open, writes each answer with `record_answer` as soon as it is done (its own short
+transaction), extends its leases with `heartbeat`, and ends each job with `finish_job` (report
+row), `fail_job` or, on shutdown, `release_jobs`.
 
 A job is claimable when it is queued, or running with an expired lease (its worker died: only
 its unanswered questions are handed out again). Claims take the write lock first on SQLite

@@ -8,8 +8,7 @@ where the leader's raised (then the follower goes on, as the leader's caller doe
 
 from __future__ import annotations
 
-from ppqa.engine.parallel.lockstep import replaying_predicate
-from ppqa.engine.session import EngineSession
+from ppqa.engine.parallel.lockstep import FollowerSession, replaying_predicate
 
 
 def _ignore(_request, _error) -> None:
@@ -21,7 +20,7 @@ def follow(engine) -> None:
     lockstep = engine.parts.lockstep
     if lockstep is None or lockstep.is_leader:
         raise ValueError("follow() runs on a tensor-parallel rank other than 0")
-    sessions: dict[int, EngineSession] = {}
+    sessions: dict[int, FollowerSession] = {}
     while True:
         for op, *args in lockstep.receive():
             if op == "exit":
@@ -31,8 +30,7 @@ def follow(engine) -> None:
                 return
             sid, rest = args[0], args[1:]
             if op == "open":
-                sessions[sid] = EngineSession(engine, None, _ignore if rest[0] else None,
-                                              following=sid)
+                sessions[sid] = FollowerSession(engine, None, _ignore if rest[0] else None)
                 continue
             session = sessions[sid]
             if op == "submit":
@@ -41,7 +39,7 @@ def follow(engine) -> None:
                 except Exception:  # noqa: BLE001 - the leader raised the same error to its caller
                     pass
             elif op == "cancel":
-                session.sched.cancel(replaying_predicate(rest[0]))
+                session.cancel(replaying_predicate(rest[0]))
             elif op == "step":
                 session.step()
             elif op == "flush":

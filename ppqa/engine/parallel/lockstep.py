@@ -6,12 +6,12 @@ deterministic: given the same calls in the same order and the same sampled token
 plans the same steps, so the ranks meet at each collective with the same shapes. Rank 0 (the
 leader) therefore sends no step plans, only what its sessions were asked to do:
 
-    leader:   EngineSession.submit / cancel / flush / close  -> recorded (`post`)
-              EngineSession.step                            -> recorded, and everything recorded
+    leader:   LeaderSession.submit / cancel / flush / close  -> recorded (`post`)
+              LeaderSession.step                            -> recorded, and everything recorded
                                                                since the last step goes to the
                                                                followers in ONE broadcast (`send`)
     follower: `follower.follow(engine)` receives each batch and makes the same calls on its
-              sessions.
+              FollowerSessions.
 
 A cancel is sent as the positions at which the leader's predicate said yes (the scheduler asks
 it about its streams in a fixed order), because the predicate itself (a closure over job ids)
@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ppqa.engine.parallel.tensor_parallel import TensorParallel
+from ppqa.engine.session import EngineSession
 
 
 class Lockstep:
@@ -103,3 +104,46 @@ def replaying_predicate(hits: list[int]) -> Callable[[object], bool]:
     """Says yes at the positions a leader's `recording_predicate` noted."""
     calls, chosen = itertools.count(), set(hits)
     return lambda _key: next(calls) in chosen
+
+
+class LeaderSession(EngineSession):
+    """Rank 0's session: records each public call for the followers (see the module doc)."""
+
+    def __init__(self, engine, on_answer=None, on_error=None) -> None:
+        super().__init__(engine, on_answer, on_error)
+        self._lockstep: Lockstep = engine.parts.lockstep
+        self._sid = self._lockstep.open_session(on_error is not None)
+
+    def submit(self, requests, *, mode: str = "auto", streams=None) -> int:
+        self._lockstep.post("submit", self._sid, list(requests), mode, streams)
+        return super().submit(requests, mode=mode, streams=streams)
+
+    def cancel(self, doomed) -> int:
+        doomed, hits = recording_predicate(doomed)
+        dropped = super().cancel(doomed)
+        self._lockstep.post("cancel", self._sid, hits)
+        return dropped
+
+    def step(self) -> bool:
+        self._lockstep.post("step", self._sid)
+        self._lockstep.send()
+        return super().step()
+
+    def flush(self) -> None:
+        self._lockstep.post("flush", self._sid)
+        super().flush()
+
+    def close(self):
+        if not self._lockstep.closed:
+            self._lockstep.post("close", self._sid)
+        return super().close()
+
+    def _sample(self, logits, step) -> torch.Tensor:
+        return self._lockstep.share_tokens(super()._sample(logits, step))
+
+
+class FollowerSession(EngineSession):
+    """Another rank's session: driven by `follower.follow`, sampling rank 0's tokens."""
+
+    def _sample(self, logits, step) -> torch.Tensor:
+        return self._parts.lockstep.share_tokens(super()._sample(logits, step))
