@@ -225,3 +225,19 @@ def test_progress_events_replay_on_one_display() -> None:
     assert merged.jobs == [outcome] and merged.stopped_by == "SIGTERM"
     replay("a stray line\n", recorder, "cuda:1")
     assert recorder.calls[-1] == ("message", "[cuda:1] a stray line")
+
+
+@pytest.mark.parametrize("codes,stop,expected", [
+    ((0, 0), None, 0), ((0, 2), None, 2), ((1, 0), None, 1), ((-9, 0), None, 1),
+    ((-15, 0), "SIGTERM", 0),  # a child stopped by the forwarded SIGTERM before its handlers
+    ((0, 0), "SIGINT", 130), ((1, 0), "SIGINT", 130)])
+def test_the_parent_exit_code(codes, stop, expected) -> None:
+    from ppqa.worker.pool import Child, WorkerPool
+    from ppqa.worker.report import ProgressSink
+
+    pool = WorkerPool([Child(f"cuda:{i}", []) for i in range(2)], "jobs.db", ProgressSink(),
+                      MODEL)
+    for child, code in zip(pool.children, codes):
+        child.code = code
+    pool.stop_reason = stop
+    assert pool._exit_code() == expected

@@ -138,9 +138,10 @@ class WorkerPool:
         return merged
 
     def _exit_code(self) -> int:
-        """130 after SIGINT; else the worst child's code (a child killed by a signal: 1)."""
+        """130 after SIGINT; else the worst child's code (a child killed by a signal: 1, unless
+        it was the stop the parent forwarded, e.g. SIGTERM before its handlers were set)."""
         if self.stop_reason == "SIGINT":
             return 130
-        codes = [c.code if c.code >= 0 else 1 for c in self.children]
-        failures = [code for code in codes if code not in (0, 130)]
+        stopped = {0, 130} | ({-s for s in STOP_SIGNALS} if self.stop_reason else set())
+        failures = [c.code if c.code >= 0 else 1 for c in self.children if c.code not in stopped]
         return max(failures, default=0)
