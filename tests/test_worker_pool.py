@@ -107,26 +107,73 @@ def test_two_workers_answer_every_question_once_with_one_summary(tmp_path: Path)
     assert store["status"] == {"done": 6} and len(store["answers"]) == store["questions"] == 18
 
 
-def test_sigterm_to_the_parent_releases_every_job_and_ends_every_child(tmp_path: Path) -> None:
-    db = str(tmp_path / "jobs.db")
+def _both_holding(tmp_path: Path, db: str) -> subprocess.Popen:
+    """`ppqa run --follow` with two CPU workers, once each holds a job of a long queue."""
     _queue(db, documents=8, questions=4, max_new_tokens=3000)
     proc = _ppqa(tmp_path, db, "run", "--devices", "cpu,cpu", "--model", MODEL, "--follow",
                  "--max-jobs", "1", "--json")
     deadline = time.monotonic() + WAIT_S
-    while len(set(_store(db)["owners"])) < 2:  # both workers hold a job
+    while len(set(_store(db)["owners"])) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.2)
+    return proc
+
+
+def _children(stderr: str) -> list[int]:
+    """The workers' pids, from their "worker HOST:PID:TAG started" lines."""
+    return [int(line.split("worker ", 1)[1].split(":")[1]) for line in stderr.splitlines()
+            if "started on cpu" in line]
+
+
+def test_sigterm_to_the_parent_releases_every_job_and_ends_every_child(tmp_path: Path) -> None:
+    db = str(tmp_path / "jobs.db")
+    proc = _both_holding(tmp_path, db)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err
     summary = json.loads(out)
     assert summary["stopped_by"] == "SIGTERM" and summary["jobs_released"] >= 2
-    children = [int(line.split("worker ", 1)[1].split(":")[1]) for line in err.splitlines()
-                if "started on cpu" in line]
+    children = _children(err)
     assert len(children) == 2 and not any(process_alive(pid) for pid in children)
     store = _store(db)
     assert "running" not in store["status"] and store["owners"] == []  # nothing left held
     assert store["status"].get("queued", 0) >= 2
+
+
+def test_every_stop_signal_reaches_every_child_and_the_second_ends_the_parent(
+        tmp_path: Path, monkeypatch) -> None:
+    from ppqa.worker import pool as pool_module
+    from ppqa.worker.pool import Child, WorkerPool
+    from ppqa.worker.report import ProgressSink
+
+    # Children that note each SIGINT they get in a file and go on (a worker would stop, then
+    # exit at once on the second); the parent's own exit is noted instead of taken.
+    counter = ("import signal, sys, time\n"
+               "signal.signal(signal.SIGINT, lambda *_: open(sys.argv[1], 'a').write('x'))\n"
+               "open(sys.argv[1] + '.ready', 'w').close()\n"
+               "time.sleep(60)\n")
+    pool = WorkerPool([Child(f"cpu#{i}", []) for i in range(2)], "jobs.db", ProgressSink(), MODEL)
+    notes = [tmp_path / f"child{i}" for i in range(2)]
+    for child, note in zip(pool.children, notes):
+        child.process = subprocess.Popen([sys.executable, "-c", counter, str(note)])
+    exits = []
+    monkeypatch.setattr(pool_module.os, "_exit", exits.append)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not all(Path(f"{note}.ready").exists() for note in notes):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pool.request_stop(signal.SIGINT)
+        assert pool.stop_reason == "SIGINT" and exits == []
+        pool.request_stop(signal.SIGINT)
+        assert exits == [128 + signal.SIGINT]
+        while any(not note.exists() or note.read_text() != "xx" for note in notes):
+            assert time.monotonic() < deadline, [n.read_text() for n in notes if n.exists()]
+            time.sleep(0.05)
+    finally:
+        for child in pool.children:
+            child.process.kill()
+            child.process.wait()
 
 
 def test_a_tensor_parallel_worker_answers_as_one_device(tmp_path: Path) -> None:
@@ -153,6 +200,14 @@ def test_a_model_whose_heads_do_not_divide_is_refused_in_one_line(tmp_path: Path
     assert err.strip().splitlines()[-1].startswith("error: cannot load model 'dummy:tiny-odd'")
     assert "3 attention heads, 1 KV heads" in err and "Traceback" not in err
     assert _store(db)["status"] == {"queued": 1}  # nothing claimed
+
+
+def test_a_worker_per_group_gets_its_devices() -> None:
+    from ppqa.cli.run import _device_args
+
+    assert _device_args(["cuda:2"], 1) == ["--device", "cuda:2"]
+    assert _device_args(["cuda:2", "cuda:3"], 2) == ["--devices", "cuda:2,cuda:3",
+                                                     "--tensor-parallel", "2"]
 
 
 def test_device_groups() -> None:
