@@ -53,6 +53,7 @@ def test_a_cancel_mid_run_keeps_the_ranks_in_step(two_ranks) -> None:
     assert {k: leader["after_cancel"][k] for k in kept} == {k: reference[k] for k in kept}
     assert ranks[1]["followed"] is True  # ... and the follower left when the leader shut down
     assert "call engine.follow()" in ranks[1]["session_refusal"]  # only rank 0 opens sessions
+    assert "was shut down" in leader["after_shutdown"]  # and none once the followers left
     for seen in ranks:  # both ranks end with the same free KV and rows: the same decisions
         assert (seen["free_slots"], seen["free_rows"]) == (ranks[0]["free_slots"],
                                                            ranks[0]["free_rows"])

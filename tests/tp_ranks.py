@@ -58,6 +58,10 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list,
             seen["after_cancel"] = got
             seen["captured"] = engine.captured_graphs
             engine.shutdown()
+            try:
+                engine.answer("After the end.", ["Why?"])
+            except RuntimeError as exc:
+                seen["after_shutdown"] = str(exc)
         else:
             try:
                 engine.session()

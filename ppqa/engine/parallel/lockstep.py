@@ -58,6 +58,8 @@ class Lockstep:
         """Broadcast what was recorded since the last send (leader)."""
         import torch.distributed as dist
 
+        if self.closed:  # the followers have left: a broadcast would wait for no one
+            raise RuntimeError("this tensor-parallel engine was shut down (Engine.shutdown)")
         batch, self._pending = self._pending, []
         dist.broadcast_object_list([batch], src=0, group=self.tp.control)
 
