@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import time
 
-from ppqa.engine.parallel.launch import NO_MULTICAST
+from ppqa.engine.parallel.launch import keep_multicast_off
 
 
 def _engine(model: str, world: int, device: str, mem_fraction: float):
@@ -86,8 +85,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.modes = args.modes.split(",")
-    for name, value in NO_MULTICAST.items():
-        os.environ.setdefault(name, value)
+    keep_multicast_off()
     results = {"model": args.model, "questions": args.questions, "doc_tokens": args.doc_tokens,
                "tokens": args.tokens, "runs": []}
     context = multiprocessing.get_context("spawn")

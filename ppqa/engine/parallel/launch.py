@@ -37,6 +37,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def keep_multicast_off() -> None:
+    """NVLink multicast off in NCCL, PyTorch and NVSHMEM unless the environment says otherwise:
+    on a shared host it can put the GPUs out of service."""
+    for name, value in NO_MULTICAST.items():
+        os.environ.setdefault(name, value)
+
+
 def join_group(rank: int, world: int, port: int, device: str,
                timeout: timedelta = GROUP_TIMEOUT) -> None:
     """Join rank `rank` of `world` on 127.0.0.1:`port`: NCCL on a CUDA device (made current),
@@ -44,8 +51,7 @@ def join_group(rank: int, world: int, port: int, device: str,
     import torch
     import torch.distributed as dist
 
-    for name, value in NO_MULTICAST.items():
-        os.environ.setdefault(name, value)
+    keep_multicast_off()
     backend = "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -135,6 +141,7 @@ def start_engine(model: str, devices: list[str], **config_fields):
     from ppqa.config import EngineConfig
     from ppqa.engine.engine import Engine
 
+    keep_multicast_off()  # inherited by the followers too
     world, port = len(devices), free_port()
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=follower_main, name=f"ppqa-rank{rank}", daemon=True,
