@@ -6,6 +6,8 @@ CPU; NCCL with rank r on cuda:r, in fp32, for tests/gpu), builds the tiny GQA en
 and once more in a session that cancels a third of them after three steps, while the other
 ranks `follow()`; last, every rank tries to build dummy:tiny-odd at the same tensor_parallel and
 notes the refusal. Each rank writes what it saw to `out_dir/rank<r>.pkl` for the test to check.
+`run_triton_rank` is a short run of the same split through the Triton backend (on the CPU under
+Triton's interpreter, tests/kernels).
 A module of its own because torch.multiprocessing's spawn imports the entry point by name.
 """
 
@@ -77,4 +79,32 @@ def run_rank(rank: int, world: int, port: int, out_dir: str, requests: list,
             seen["odd_refusal"] = str(exc)
     finally:
         (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
+    leave_group()
+
+
+TRITON_DOCUMENT = "The quick brown fox jumps over the lazy dog near the river bank. "
+TRITON_QUESTIONS = ["What jumps?", "Who is lazy?"]
+
+
+def run_triton_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch
+
+    from ppqa import Engine, EngineConfig, SamplingParams
+    from ppqa.engine.parallel.launch import join_group, leave_group
+
+    torch.set_num_threads(1)
+    join_group(rank, world, port, "cpu", timeout=timedelta(seconds=120))
+    engine = Engine("dummy:tiny-gqa", device="cpu", dtype="float32",
+                    config=EngineConfig(tensor_parallel=world, attention_backend="triton",
+                                        kv_token_budget=4096))
+    seen = {"backend": engine.config.attention_backend}
+    if rank == 0:
+        sampling = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        for mode in ("stock", "parallel", "cascade"):
+            seen[mode] = [a.token_ids for a in engine.answer(
+                TRITON_DOCUMENT, TRITON_QUESTIONS, mode=mode, sampling=sampling)]
+        engine.shutdown()
+    else:
+        engine.follow()
+    (Path(out_dir) / f"rank{rank}.pkl").write_bytes(pickle.dumps(seen))
     leave_group()
