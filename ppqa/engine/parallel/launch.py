@@ -1,6 +1,7 @@
 """Starting the ranks of one tensor-parallel engine from a single process.
 
-`start_engine(model, devices, **config)` is what `ppqa run --tensor-parallel N` calls: it starts
+`start_engine(model, devices, **config)` is what `ppqa run --tensor-parallel N` calls: it
+refuses a model whose heads N does not divide (from its config, before anything starts), starts
 N-1 follower processes (multiprocessing's spawn: a fresh interpreter each), makes the calling
 process rank 0 on `devices[0]`, joins all of them in one torch.distributed group over
 127.0.0.1 (NCCL on GPUs, gloo on the CPU) and builds the engine on every rank. It returns rank
@@ -26,7 +27,9 @@ from datetime import timedelta
 
 # Long: a follower waits in a broadcast for as long as rank 0 has no work (`run --follow`).
 GROUP_TIMEOUT = timedelta(days=7)
-SETUP_GRACE_S = 10.0  # a follower that failed its setup: rank 0's own error comes first
+# A follower that failed its setup: rank 0 usually fails the same way; its own error (one line)
+# comes first unless it is stuck in a collective (NCCL waits for the dead rank).
+SETUP_GRACE_S = 60.0
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -141,6 +144,12 @@ def start_engine(model: str, devices: list[str], **config_fields):
     from ppqa.config import EngineConfig
     from ppqa.engine.engine import Engine
 
+    from ppqa.engine.loading.loader import load_model
+    from ppqa.engine.parallel.tensor_parallel import check_divisible
+
+    # A model that cannot be split is refused before any process starts (its weights are
+    # lazy: only the config is read here).
+    check_divisible(load_model(model).config, len(devices))
     keep_multicast_off()  # inherited by the followers too
     world, port = len(devices), free_port()
     context = multiprocessing.get_context("spawn")
