@@ -116,6 +116,10 @@ class EngineConfig:
     # a shared instruction) join the document's cached prefix: prefilled once, read once per
     # step by cascade and parallel, instead of once per question. False keeps them per question.
     share_question_prefix: bool = True
+    # Ranks the model is split over (Megatron-style, engine/parallel/): N > 1 needs one process
+    # per rank in an initialized torch.distributed group; rank 0 runs sessions, the others
+    # call Engine.follow(). The model's heads and KV heads must divide by N.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -128,7 +132,8 @@ class EngineConfig:
                              f"got {self.kv_token_budget!r}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"EngineConfig.mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
-        for name in ("max_batch_requests", "default_streams", "max_prefill_tokens"):
+        for name in ("max_batch_requests", "default_streams", "max_prefill_tokens",
+                     "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")

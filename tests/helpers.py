@@ -118,3 +118,12 @@ def make_worker(db, engine, progress=None, **options):
 
     options = {"model": WORKER_MODEL, "device": "cpu", "lease_seconds": 30, **options}
     return Worker(db, engine, WorkerOptions(**options), progress)
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not yet exited (a zombie waiting to be reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -202,3 +202,15 @@ def test_hf_folder_from_dummy_weights_loads_back_to_the_same_model(smollm2, tmp_
         "The ferry leaves every hour from seven.", ["When?"],
         sampling=SamplingParams(max_new_tokens=3))
     assert len(answer.token_ids) == 3
+
+
+def test_run_args_that_name_the_gpus_replace_the_default_gpu(tmp_path) -> None:
+    from ppqa.bench.e2e import E2EOptions, Runner
+
+    def worker_args(*run_args: str) -> list[str]:
+        opts = E2EOptions(workloads=["tiny"], run_args=list(run_args))
+        return Runner(opts, tmp_path, "dummy:tiny-gqa", print).worker_args("stock", follow=False)
+
+    assert worker_args()[-2:] == ["--gpu", "0"]
+    split = worker_args("--gpus", "0,1", "--tensor-parallel", "2")
+    assert "--gpu" not in split and split[-4:] == ["--gpus", "0,1", "--tensor-parallel", "2"]

@@ -40,6 +40,7 @@ from ppqa.store.db import open_db
 from ppqa.store.jobs import IngestRequest, ingest
 from ppqa.store.models import Answer, Job, Question, Report
 from ppqa.store.params import GenerationParams
+from tests.helpers import process_alive
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "dummy:tiny-mha"
@@ -153,15 +154,6 @@ def zygote(tmp_path_factory):
     z.close()
 
 
-def _alive(pid: int) -> bool:
-    """Running, not yet exited (a zombie waiting to be reaped counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _worker_args(*extra: str) -> list[str]:
     return ["run", "--device", "cpu", "--model", MODEL, "--json", *extra]
 
@@ -201,7 +193,7 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(db_location, tmp_p
                 claimed = victim["err"].exists() and "claimed" in victim["err"].read_text()
                 if victim["kill_at"] is None and claimed:
                     victim["kill_at"] = time.monotonic() + victim["delay"]
-                if not _alive(pid):
+                if not process_alive(pid):
                     exited_first += 1
                 elif victim["kill_at"] is not None and time.monotonic() >= victim["kill_at"]:
                     os.kill(pid, signal.SIGKILL)
@@ -327,7 +319,7 @@ def test_postgres_restarts_under_a_following_worker(private_pg, tmp_path, zygote
             private_pg.ctl("restart", "-m", mode)
         jobs += queue_jobs(url, documents=2, jobs_per_document=2, questions=3, start=100)
         _wait_for(lambda: store_figures(url)["status"] == {"done": jobs}, pid)
-        assert _alive(pid), "the --follow worker exited"
+        assert process_alive(pid), "the --follow worker exited"
     finally:
         os.kill(pid, signal.SIGTERM)
         code = zygote.reap(pid)
@@ -355,7 +347,7 @@ def _wait_for(condition, pid: int, timeout: float = WAIT_S) -> None:
                 return
         except Exception:  # noqa: BLE001 - the server may be restarting
             pass
-        assert _alive(pid), "the worker exited"
+        assert process_alive(pid), "the worker exited"
         time.sleep(0.1)
     raise AssertionError("timed out")
 
@@ -495,7 +487,7 @@ def test_four_workers_and_four_ingesters_share_one_sqlite_file(tmp_path, zygote)
     deadline = time.monotonic() + WAIT_S
     while store_figures(url)["status"] != {"done": len(ingested)}:
         assert time.monotonic() < deadline, store_figures(url)
-        assert all(_alive(pid) for pid, _ in workers), "a worker exited"
+        assert all(process_alive(pid) for pid, _ in workers), "a worker exited"
         time.sleep(0.2)
     for pid, _ in workers:
         os.kill(pid, signal.SIGTERM)

@@ -206,3 +206,27 @@ def test_job_report_is_checked():
     with pytest.raises(ValueError, match="unknown report field"):
         queue.JobReport.from_dict({**REPORT, "speed": 3})
     assert queue.JobReport(**{**REPORT, "wall_seconds": 0.0}).tokens_per_second == 0.0
+
+
+def test_claims_keep_a_document_with_the_worker_running_it(any_db, add_job):
+    a1 = add_job(any_db, "Document A.", name="a")
+    assert [c.job_id for c in queue.claim_jobs(any_db, "w1", 60)] == [a1]  # w1 holds A's KV
+    b = add_job(any_db, "Document B.", name="b")
+    a2 = add_job(any_db, "Document A.", ("Later?",), name="a")
+    # w1 takes A's new job first, though B was queued before it;
+    assert [j.job_id for j in queue.claim_jobs(any_db, "w1", 60)] == [a2]
+    a3 = add_job(any_db, "Document A.", ("Last?",), name="a")
+    c = add_job(any_db, "Document C.", name="c")
+    assert [j.job_id for j in queue.claim_jobs(any_db, "w2", 60)] == [b]
+    # w2 passes over A (w1 runs it) for a free document, though A's job is older than C's;
+    assert [j.job_id for j in queue.claim_jobs(any_db, "w2", 60)] == [c]
+    # with nothing else left, a document another worker runs is still taken (no one idles).
+    assert [j.job_id for j in queue.claim_jobs(any_db, "w2", 60)] == [a3]
+
+
+def test_priority_still_comes_before_the_document_a_worker_runs(any_db, add_job):
+    add_job(any_db, "Document A.", name="a")
+    queue.claim_jobs(any_db, "w1", 60)
+    add_job(any_db, "Document A.", ("Later?",), name="a")
+    urgent = add_job(any_db, "Document B.", name="b", priority=9)
+    assert [j.job_id for j in queue.claim_jobs(any_db, "w1", 60)] == [urgent]

@@ -91,6 +91,8 @@ class Runner:
         dev = self.opts.device
         where = ["--device", dev] if dev and not dev.startswith("cuda") else \
             ["--gpu", dev.partition(":")[2] or "0"] if dev else ["--gpu", "0"]
+        if any(a.split("=")[0] in ("--gpus", "--devices") for a in self.opts.run_args):
+            where = []  # --run-args '--gpus 0,1 [--tensor-parallel 2]' names the devices
         return ["run", "--follow" if follow else "--once", "--mode", mode, "--model", self.model,
                 "--json", *where, *self.opts.run_args]
 

@@ -1,5 +1,10 @@
 """`ppqa run`: the worker command. Checks its setup, then drains the queue with the engine.
 
+One worker per process: `--gpu N` / `--device D` (one device), or `--tensor-parallel N` with N
+devices from `--gpus` (one model split over them, engine/parallel/). `--gpus 0,1` with more
+devices than one worker takes starts one child `ppqa run` per GPU (per N GPUs with
+`--tensor-parallel N`) and shows their progress and summary as one (`ppqa/worker/pool.py`).
+
 Order matters: the store is opened, the device checked and the model loaded BEFORE any job is
 claimed, so a wrong --model, a missing --gpu or an unreachable --db exits 2 with one line and
 leaves the queue untouched. Then `ppqa.worker.loop.Worker` runs with a progress renderer from
@@ -14,6 +19,7 @@ options or setup.
 
 import os
 import signal
+import sys
 import time
 from typing import Annotated
 
@@ -32,6 +38,10 @@ Examples:
 
   ppqa run --gpu 1 --follow --mode parallel --streams 32
 
+  ppqa run --gpus all --follow
+
+  ppqa run --gpus 0,1 --tensor-parallel 2 --model ./Llama-3-70B-Instruct
+
   ppqa --db postgresql+psycopg://ppqa@db-host/ppqa run --gpu 0 --follow --json
 """
 
@@ -45,6 +55,21 @@ def run(
     device: Annotated[str | None, typer.Option(
         "--device", show_default=False,
         help="torch device instead of --gpu: cpu, cuda or cuda:N, e.g. --device cpu.")] = None,
+    gpus: Annotated[str | None, typer.Option(
+        "--gpus", show_default=False, metavar="LIST|all",
+        help="A worker per GPU, one progress display and one summary: GPU indices, e.g. --gpus "
+             "0,1, or 'all' (every visible GPU). With --tensor-parallel N, a worker per N "
+             "GPUs.")] = None,
+    tensor_parallel: Annotated[int, typer.Option(
+        "--tensor-parallel", min=1, max=64,
+        help="Split the model over N GPUs (for models too large for one): its heads must "
+             "divide by N, e.g. --gpus 0,1 --tensor-parallel 2.")] = 1,
+    devices: Annotated[str | None, typer.Option(
+        "--devices", hidden=True,
+        help="torch devices instead of --gpus, e.g. cpu,cpu (tests).")] = None,
+    progress_events: Annotated[bool, typer.Option(
+        "--progress-events", hidden=True,
+        help="Progress as JSON lines on stdout, for the parent of --gpus.")] = False,
     model: Annotated[str, typer.Option(
         "--model", envvar="PPQA_MODEL",
         help="Model name (smollm2, dummy:<preset>), Hugging Face folder or .gguf file, "
@@ -91,7 +116,8 @@ def run(
     from ppqa.worker.loop import Worker, WorkerError, WorkerOptions
     from ppqa.store.queue import has_claimable, waiting_questions
     from ppqa.worker.report import WorkerSummary
-    from ppqa.worker.setup import SetupError, load_engine, process_age, resolve_device
+    from ppqa.worker.setup import (SetupError, device_groups, load_engine, load_parallel_engine,
+                                   process_age, resolve_device)
 
     try:
         check_mode(mode, "--mode")
@@ -106,14 +132,37 @@ def run(
                                      device=device or ("auto" if gpu is None else f"cuda:{gpu}"))
                        .to_dict())
         return
+    if streams is not None and streams != "auto" and (not streams.isdigit() or int(streams) < 1):
+        fail(f"--streams must be a whole number >= 1 or 'auto', got {streams!r}")
+    pool = {k: v for k, v in (("mem_fraction", mem_fraction),
+                              ("kv_token_budget", kv_tokens)) if v is not None}
+    ranks = None
     try:
         began = time.perf_counter()
-        device_name = resolve_device(gpu, device)
+        from_env = getattr(ctx.get_parameter_source("gpu"), "name", "") == "ENVIRONMENT"
+        if (gpus is not None or devices is not None) and from_env:
+            gpu = None  # PPQA_GPU names one worker's GPU; --gpus on the line wins
+        groups = device_groups(gpus, devices, tensor_parallel, gpu=gpu, device=device)
+        if groups is not None and len(groups) > 1:
+            from ppqa.worker.pool import Child
+
+            options = _child_options(ctx.params)
+            labels = ["+".join(g) for g in groups]
+            if len(set(labels)) < len(labels):  # the same device twice (--devices cpu,cpu)
+                labels = [f"{label}#{i}" for i, label in enumerate(labels)]
+            children = [Child(label, ["run", *_device_args(g, tensor_parallel), *options])
+                        for label, g in zip(labels, groups)]
+            return _run_pool(db, model, children, json_out)
+        split = groups is not None and len(groups[0]) > 1  # tensor parallelism
+        device_name = ("+".join(groups[0]) if split else
+                       resolve_device(gpu, device) if groups is None else
+                       resolve_device(None, groups[0][0]))
         say(f"loading {model} on {device_name} ...")
-        pool = {k: v for k, v in (("mem_fraction", mem_fraction),
-                                  ("kv_token_budget", kv_tokens)) if v is not None}
         loaded = time.perf_counter()
-        engine = load_engine(model, device_name, **pool)
+        if split:
+            engine, ranks = load_parallel_engine(model, groups[0], **pool)
+        else:
+            engine = load_engine(model, device_name, **pool)
         built = time.perf_counter()
         warm = engine.warmup() if engine.device.type == "cuda" else 0.0
     except SetupError as exc:
@@ -123,15 +172,18 @@ def run(
         + f"torch and the device {loaded - began:.1f} s, model and KV pool {built - loaded:.1f} s"
         + (f", kernels compiled and graphs captured {warm:.1f} s" if warm else ""))
     if streams is not None and streams != "auto":
-        if not streams.isdigit() or int(streams) < 1:
-            fail(f"--streams must be a whole number >= 1 or 'auto', got {streams!r}")
         streams = int(streams)
     options = WorkerOptions(model=model, device=device_name, mode=mode, streams=streams,
                             max_jobs=max_jobs, max_questions=max_questions, follow=follow,
                             lease_seconds=lease_seconds, max_attempts=max_attempts)
-    from ppqa.cli.run_progress import make_progress
+    if progress_events:
+        from ppqa.worker.events import EventSink
 
-    progress = make_progress(lambda: waiting_questions(db, model))
+        progress = EventSink(sys.stdout)
+    else:
+        from ppqa.cli.run_progress import make_progress
+
+        progress = make_progress(lambda: waiting_questions(db, model))
     worker = Worker(db, engine, options, progress)
     previous = _stop_on_signals(worker, progress)
     try:
@@ -140,6 +192,8 @@ def run(
         say(f"error: {exc}")
         raise typer.Exit(1)
     finally:  # the command may run inside a longer-lived process (tests, a notebook)
+        if ranks is not None:
+            ranks.close()
         if worker.stop_reason not in _SIGNAL_NAMES:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -170,3 +224,44 @@ def _stop_on_signals(worker, progress) -> dict:
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous[signum] = signal.signal(signum, handle)
     return previous
+
+
+# The options a child of --gpus repeats as they were given (by their parameter names).
+_CHILD_OPTIONS = ("model", "mode", "streams", "max_jobs", "max_questions", "lease_seconds",
+                  "max_attempts", "mem_fraction", "kv_tokens")
+
+
+def _child_options(params: dict) -> list[str]:
+    args = []
+    for name in _CHILD_OPTIONS:
+        if params.get(name) is not None:
+            args += [f"--{name.replace('_', '-')}", str(params[name])]
+    return args + ["--follow" if params["follow"] else "--once", "--progress-events"]
+
+
+def _device_args(group: list[str], tensor_parallel: int) -> list[str]:
+    if len(group) == 1:
+        return ["--device", group[0]]
+    return ["--devices", ",".join(group), "--tensor-parallel", str(tensor_parallel)]
+
+
+def _run_pool(db, model: str, children, json_out: bool) -> None:
+    """A worker process per device group (worker/pool.py), shown as one."""
+    from ppqa.cli.run_progress import make_progress
+    from ppqa.store.queue import waiting_questions
+    from ppqa.worker.pool import STOP_SIGNALS, WorkerPool
+
+    progress = make_progress(lambda: waiting_questions(db, model))
+    pool = WorkerPool(children, db.url, progress, model)
+    previous = {s: signal.signal(s, lambda signum, _frame: pool.request_stop(signum))
+                for s in STOP_SIGNALS}
+    try:
+        summary, code = pool.run()
+    finally:
+        if pool.stop_reason is None:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    if json_out:
+        print_json(summary.to_dict())
+    if code:
+        raise typer.Exit(code)

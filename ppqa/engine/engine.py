@@ -8,6 +8,8 @@
 `answer(document, questions)` is `run` for one document, returning answers in question order;
 `score(document, questions, choices)` the same for questions answered by choosing a label.
 The document cache outlives sessions, so a document is prefilled once per engine.
+With `EngineConfig.tensor_parallel` N > 1 one Engine is built per rank (process): rank 0 is used
+as above and ends with `shutdown()`; the others call `follow()` (engine/parallel/lockstep.py).
 """
 
 from __future__ import annotations
@@ -86,6 +88,27 @@ class Engine:
         return 0 if graphs is None else len(graphs.graphs)
 
     @property
+    def rank(self) -> int:
+        """This process's tensor-parallel rank (0 without tensor parallelism)."""
+        lockstep = self._parts.lockstep
+        return 0 if lockstep is None else lockstep.tp.rank
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks other than 0: repeat rank 0's sessions until its `shutdown()`."""
+        from ppqa.engine.parallel.follower import follow
+
+        follow(self)
+
+    def shutdown(self) -> None:
+        """Rank 0 of a tensor-parallel engine: release the followers (their `follow()` returns).
+        Idempotent; nothing to do without tensor parallelism."""
+        lockstep = self._parts.lockstep
+        if lockstep is not None and lockstep.is_leader and not lockstep.closed:
+            lockstep.post("exit")
+            lockstep.send()
+            lockstep.closed = True
+
+    @property
     def kv_free_tokens(self) -> int:
         """KV slots free now (cached documents that no request holds count as used)."""
         return self._parts.pool.allocator.num_free
@@ -152,7 +175,15 @@ class Engine:
                 ) -> EngineSession:
         """A long-lived loop over this engine: `submit` questions while it runs, `step` it,
         answers go to `on_answer` as they finish (see engine/session.py)."""
-        return EngineSession(self, on_answer, on_error)
+        lockstep = self._parts.lockstep
+        if lockstep is None:
+            return EngineSession(self, on_answer, on_error)
+        if not lockstep.is_leader:
+            raise ValueError(f"tensor-parallel rank {lockstep.tp.rank} repeats rank 0's "
+                             "sessions: call engine.follow(), not session()")
+        from ppqa.engine.parallel.lockstep import LeaderSession
+
+        return LeaderSession(self, on_answer, on_error)
 
     def run(self, requests: Sequence[QuestionRequest], *, mode: str = "auto",
             streams: int | str | None = None,

@@ -19,6 +19,11 @@ overlaps the host's mask filling with the device's forward (runtime/grammar.py).
 `Engine.run` and `Engine.answer` are a session that is fed once and drained; the worker keeps
 one session for its whole life and feeds it as jobs arrive. The document cache
 belongs to the engine, so a document is prefilled once per engine, whichever session asks.
+
+Under tensor parallelism every rank runs a subclass of this session over its shard
+(`engine/parallel/lockstep.py`): rank 0's public calls are repeated by the other ranks, and
+each step's sampled tokens (`_sample`) are rank 0's. Internal reads back use `_flush`, so that
+only a caller's `flush` is a call to repeat.
 """
 
 from __future__ import annotations
@@ -168,7 +173,7 @@ class EngineSession:
         there was nothing to do."""
         sched = self.sched
         if not sched.has_work():
-            self.flush()
+            self._flush()
             return False
         if sched.should_admit():
             sched.admit()
@@ -187,6 +192,9 @@ class EngineSession:
 
     def flush(self) -> None:
         """Read back the step in flight, if any."""
+        self._flush()
+
+    def _flush(self) -> None:
         if self._in_flight is not None:
             launched, self._in_flight = self._in_flight, None
             self._finish(launched)
@@ -406,15 +414,18 @@ class EngineSession:
                 self._finish(prev)
             self._in_flight = launched
             if not self.engine.config.overlap_steps:
-                self.flush()
+                self._flush()
         if not batches:
-            self.flush()
+            self._flush()
         self.stats.decode_s += time.perf_counter() - begin
 
     def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
         logits = self._parts.runner.run(step.inputs, None if prev is None else prev.tokens)
         self.stats.steps += 1
-        return _Launched(step, sample(logits, step.sampling), time.perf_counter())
+        return _Launched(step, self._sample(logits, step), time.perf_counter())
+
+    def _sample(self, logits: torch.Tensor, step: PlannedStep) -> torch.Tensor:
+        return sample(logits, step.sampling)
 
     def _finish(self, launched: _Launched, charge: bool = True) -> None:
         tokens = launched.read()

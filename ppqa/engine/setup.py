@@ -5,6 +5,11 @@
 the KV pool from the remaining memory (GPU: `mem_fraction` of what is free after the weights; CPU:
 `kv_token_budget` tokens), and creates the req_to_token table, the document cache, the attention
 backend (torch, or Triton or FlashInfer imported lazily) and the runner. `Engine` keeps the result.
+
+With `tensor_parallel` N > 1 this process is one rank of an initialized torch.distributed group:
+the model is built as this rank's shard (`engine/parallel/tensor_parallel.py`), the KV pool and
+the backend hold this rank's heads only, every rank takes the smallest rank's pool size, and a
+`Lockstep` keeps the ranks' sessions together (`engine/parallel/lockstep.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class EngineParts:
     docs: DocumentCache
     backend: object
     runner: ModelRunner
+    lockstep: object = None  # engine/parallel/lockstep.Lockstep under tensor parallelism
 
 
 def _pool_slots(config: EngineConfig, device: torch.device, bytes_per_slot: int) -> int:
@@ -62,8 +68,8 @@ def _check_flashinfer(device: torch.device, config: EngineConfig) -> None:
 
 
 def _make_backend(config: EngineConfig, device: torch.device, pool: KVPool, model: LlamaModel):
-    cfg = model.config
-    args = (pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+    attn = model.layers[0].self_attn  # this rank's heads (all of them without tensor parallelism)
+    args = (pool, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.head_dim ** -0.5)
     name = config.attention_backend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -92,13 +98,24 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
     if config.attention_backend == "flashinfer":
         _check_flashinfer(dev, config)
 
+    tp = lockstep = transform = None
+    if config.tensor_parallel > 1:
+        from ppqa.engine.parallel import tensor_parallel
+        from ppqa.engine.parallel.lockstep import Lockstep
+
+        tp = tensor_parallel.TensorParallel.from_process_group(config.tensor_parallel, dev)
+        lockstep, transform = Lockstep(tp), tensor_parallel.transform(tp)
     loaded = load(dev, torch_dtype, config.seed)
-    model = build_model(loaded.config, loaded.weights, device=dev, dtype=torch_dtype)
-    mc = model.config
-    num_slots = _pool_slots(config, dev, KVPool.bytes_per_slot(mc.num_layers, mc.num_kv_heads,
+    if tp is not None:
+        tensor_parallel.check_divisible(loaded.config, tp.world)  # before any weight loads
+    model = build_model(loaded.config, loaded.weights, device=dev, dtype=torch_dtype,
+                        transform=transform)
+    mc, kv_heads = model.config, model.layers[0].self_attn.num_kv_heads
+    num_slots = _pool_slots(config, dev, KVPool.bytes_per_slot(mc.num_layers, kv_heads,
                                                                mc.head_dim, torch_dtype))
-    pool = KVPool(num_slots, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype=torch_dtype,
-                  device=dev)
+    if lockstep is not None:
+        num_slots = lockstep.agree_min(num_slots, dev)
+    pool = KVPool(num_slots, mc.num_layers, kv_heads, mc.head_dim, dtype=torch_dtype, device=dev)
     row_len = config.max_row_tokens or 4 * mc.max_position_embeddings
     table = ReqToTokenTable(config.max_batch_requests, min(num_slots, row_len), dev)
     backend_name, backend = _make_backend(config, dev, pool, model)
@@ -111,4 +128,5 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
                        model=model, tokenizer=loaded.tokenizer, pool=pool, table=table,
                        docs=DocumentCache(pool.allocator, pool.copy_slots), backend=backend,
                        runner=ModelRunner(model, pool, table, backend, dev,
-                                          cuda_graphs=graphs and dev.type == "cuda"))
+                                          cuda_graphs=graphs and dev.type == "cuda"),
+                       lockstep=lockstep)

@@ -1,10 +1,12 @@
 """The queue API the worker uses: claim jobs with a lease, heartbeat, record answers, finish.
 
-Data flow: `claim_jobs` hands a worker every claimable job of ONE document (highest priority,
-then oldest first) with the document's text and each job's UNANSWERED questions; the worker
-generates without any transaction open, writes each answer with `record_answer` as soon as it
-is done (its own short transaction), extends its leases with `heartbeat`, and ends each job
-with `finish_job` (report row), `fail_job` or, on shutdown, `release_jobs`.
+Data flow: `claim_jobs` hands a worker every claimable job of ONE document (highest priority
+first; among equals a document this worker is running first, whose KV it already holds, one no
+live worker holds next, one another worker is running last; then oldest first) with the
+document's text and each job's UNANSWERED questions; the worker generates without any
+transaction open, writes each answer with `record_answer` as soon as it is done (its own short
+transaction), extends its leases with `heartbeat`, and ends each job with `finish_job` (report
+row), `fail_job` or, on shutdown, `release_jobs`.
 
 A job is claimable when it is queued, or running with an expired lease (its worker died: only
 its unanswered questions are handed out again). Claims take the write lock first on SQLite
@@ -106,8 +108,7 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
         chosen: list = []
         params: dict[int, GenerationParams] = {}
         while not chosen:  # a document whose jobs all turn out answered: try the next one
-            head = conn.execute(select(Job.document_id).where(_claimable(now, model))
-                                .order_by(*order).limit(1).with_for_update(skip_locked=True)).first()
+            head = _next_document(conn, now, model, worker_id, order)
             if head is None:
                 return []
             rows = conn.execute(
@@ -147,6 +148,33 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                        questions=open_questions[r.id], lease_expires_at=expires,
                        template_source=r.template_source)
             for r in chosen]
+
+
+def _next_document(conn, now: datetime, model: str | None, worker_id: str, order):
+    """The row naming the document to claim next, or None. Among the claimable jobs of the top
+    priority: a document with a job this worker runs (its KV is likely still in its engine),
+    else the oldest one no other live worker runs (claiming that would prefill it twice), else
+    the first in the usual order. Each look is an ordered scan that stops at its first row."""
+    claimable = _claimable(now, model)
+    top = conn.execute(select(func.max(Job.priority)).where(claimable)).scalar()
+    if top is None:
+        return None
+    live = (Job.status == RUNNING) & (Job.lease_expires_at >= now)
+    mine = select(Job.document_id).where(live, Job.lease_owner == worker_id)
+    others = select(Job.document_id).where(live, Job.lease_owner != worker_id)
+    at_top = Job.priority == top
+    # The last look is the plain one: it also finds lower priorities when every top job is
+    # locked by a concurrent claim (PostgreSQL's SKIP LOCKED).
+    for preferred in (at_top & Job.document_id.in_(mine),
+                      at_top & Job.document_id.not_in(others), None):
+        query = select(Job.document_id).where(claimable)
+        if preferred is not None:
+            query = query.where(preferred)
+        head = conn.execute(query.order_by(*order).limit(1)
+                            .with_for_update(skip_locked=True)).first()
+        if head is not None:
+            return head
+    return None
 
 
 def _unanswered(conn, job_ids: list[int]) -> dict[int, list[ClaimedQuestion]]:

@@ -1,9 +1,10 @@
 """`dummy:<preset>` models: real architectures with seeded random weights and no files.
 
-The big presets mirror CodeLlama-7B, Llama-3-8B, Qwen2.5-7B and Qwen2.5-1.5B so that speed work on
-the GPU machine (which has no model files) runs the true shapes; the tiny presets feed the engine's
-golden tests. `loader.py` turns a preset into a `LoadedModel`: `dummy_weights` generates each
-tensor directly on the target device and dtype, one at a time, so a 7B model builds in seconds.
+The big presets mirror CodeLlama-7B, Llama-3-8B, Llama-3-70B, Qwen2.5-7B and Qwen2.5-1.5B so that
+speed work on the GPU machine (which has no model files) runs the true shapes; the tiny presets
+feed the engine's golden tests. `loader.py` turns a preset into a `LoadedModel`: `dummy_weights`
+generates each tensor directly on the target device and dtype, one at a time, so a 7B model
+builds in seconds (and each tensor-parallel rank generates every tensor and keeps its slice).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ PRESETS: dict[str, Preset] = {p.config.name.removeprefix("dummy:"): p for p in [
             max_position_embeddings=BIG_CONTEXT),
     _preset("llama-3-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
             num_layers=32, num_heads=32, num_kv_heads=8, rope_theta=500000.0,
+            rope_scaling=dict(_LLAMA3_ROPE_SCALING), max_position_embeddings=BIG_CONTEXT),
+    # Llama-3-70B's shapes (140 GB of bf16 weights: more than one H200 holds with room for KV),
+    # for tensor parallelism; each rank generates every tensor and keeps its slice.
+    _preset("llama-3-70b", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+            num_layers=80, num_heads=64, num_kv_heads=8, rope_theta=500000.0,
             rope_scaling=dict(_LLAMA3_ROPE_SCALING), max_position_embeddings=BIG_CONTEXT),
     _preset("qwen2.5-7b", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
             num_layers=28, num_heads=28, num_kv_heads=4, rope_theta=1e6, rms_norm_eps=1e-6,

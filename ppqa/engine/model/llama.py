@@ -147,6 +147,9 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
         self.rope = RotaryEmbedding(config)
+        # Set by a transform whose lm_head holds part of the vocabulary (tensor parallelism):
+        # this rank's logits in, every rank's together out.
+        self.gather_logits = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -160,19 +163,24 @@ class LlamaModel(nn.Module):
         """hidden [R, hidden] -> float32 logits [R, vocab]."""
         x = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (x @ weight.t()).float()
+        logits = (x @ weight.t()).float()
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], *,
                 device: torch.device, dtype: torch.dtype,
-                fused_kernels: bool | None = None) -> LlamaModel:
+                fused_kernels: bool | None = None, transform=None) -> LlamaModel:
     """A model on `device` in `dtype`, filled from the loader's (name, tensor) stream.
     `fused_kernels` None: the Triton kernels on a CUDA device, torch code elsewhere (tests force
-    the kernels on the CPU, where they run under Triton's interpreter)."""
+    the kernels on the CPU, where they run under Triton's interpreter). `transform(model,
+    weights) -> weights` changes the model while it is still on the meta device and returns
+    the stream that fills the changed model (tensor parallelism: a rank's shard)."""
     if fused_kernels is None:
         fused_kernels = torch.device(device).type == "cuda"
     with torch.device("meta"):
         model = LlamaModel(config, dtype, fused_kernels)
+    if transform is not None:
+        weights = transform(model, weights)
     model.to_empty(device=device)
     load_weights(model, weights)
     model.rope.build(device)
