@@ -35,7 +35,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_cold 120 python3 benchmarks/startup_profile.py --no-profile --out "$OUT/startup_cold.json"
       step startup_warm 90 python3 benchmarks/startup_profile.py --no-profile --out "$OUT/startup_warm.json" ;;
     pytest)
-      step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py ;;
+      step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
+        tests/kernels/test_triton_scoring.py ;;
     prefill)
       step prefill 150 python3 benchmarks/profile_prefill.py --doc-tokens 8192,16384,20480 \
         --questions 64 --question-tokens 20 --alone --out "$OUT/prefill.json" ;;
