@@ -44,15 +44,15 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step timeline256 90 python3 benchmarks/session_timeline.py --workload paper --out "$OUT/timeline256.json"
       step timeline512 90 python3 benchmarks/session_timeline.py --workload paper --max-batch-requests 512 \
         --out "$OUT/timeline512.json" ;;
-    quality) e2e quality 150 --max-docs 30 ;;
-    loogle) e2e loogle 170 --max-docs 12 ;;
+    quality) e2e quality 150 --max-docs 20 ;;
+    loogle) e2e loogle 170 --max-docs 8 ;;
     paper) e2e paper 200 --max-docs 1 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
     grammar)
       step grammar 100 python3 benchmarks/grammar_step.py --model dummy:codellama-7b+bpe --device cuda \
         --questions 256 --doc-tokens 2000 --out "$OUT/grammar_step.json" ;;
     serve)
-      step serve 150 python3 benchmarks/serve_vs_run.py --workload labeling --max-docs 25 --passes 1 \
+      step serve 150 python3 benchmarks/serve_vs_run.py --workload labeling --max-docs 20 --passes 1 \
         --gpu 0 --out "$OUT/serve_vs_run.json" ;;
   esac
 done
