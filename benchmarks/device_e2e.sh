@@ -56,3 +56,5 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
         --gpu 0 --out "$OUT/serve_vs_run.json" ;;
   esac
 done
+# The device tool brings back at most 8 files: everything as one archive.
+tar czf /tmp/device_e2e.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/device_e2e.tgz "$OUT/"
