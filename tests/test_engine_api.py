@@ -185,7 +185,7 @@ def test_auto_mode_choice() -> None:
 
 
 def test_pack_streams_balances_requests_and_respects_the_pool() -> None:
-    from ppqa.engine.runtime.scheduler import pack_streams
+    from ppqa.engine.runtime.batching import pack_streams
 
     assert pack_streams([5] * 40, 32, 100, 10_000) == [list(range(20)), list(range(20, 40))]
     assert pack_streams([5] * 3, 32, 100, 10_000) == [[0, 1, 2]]

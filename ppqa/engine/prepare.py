@@ -22,7 +22,7 @@ from ppqa.engine.outputs import InvalidRequestError, PromptTooLongError, Questio
 from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
-from ppqa.engine.runtime.scheduler import pack_streams
+from ppqa.engine.runtime.batching import pack_streams
 
 
 def choose_plan(mode: str, streams: int | str | None, doc_tokens: int, group: Sequence[Stream],

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ppqa.engine.runtime.grammar import GrammarRows
+from ppqa.engine.runtime.batching import cascade_groups, doc_runs, grammar_rows, sampling_rows
 from ppqa.engine.runtime.kv_cache import CachedDocument, DocumentCache, KVPool, ReqToTokenTable
 from ppqa.engine.runtime.layout import StepLayout, decode_layout, document_layout, question_layout
 from ppqa.engine.runtime.request import Request, Stream
@@ -58,28 +58,6 @@ class PlannedStep:
     sampling: SamplingBatch
     bases: list[int]
     fed: list[np.ndarray]
-
-
-def pack_streams(sizes: Sequence[int], max_streams: int, doc_len: int,
-                 limit: int) -> list[list[int]]:
-    """Split questions (their reservation sizes: question + answer budget) into requests.
-
-    ceil(n / max_streams) requests of near-equal stream counts, each split further while
-    doc_len + its reservation exceeds `limit` (the pool or row capacity). Returns index lists.
-    """
-    n = len(sizes)
-    count = -(-n // max_streams)
-    bounds = [round(i * n / count) for i in range(count + 1)]
-    pending = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    out: list[list[int]] = []
-    while pending:
-        group = pending.pop(0)
-        if len(group) > 1 and doc_len + sum(sizes[i] for i in group) > limit:
-            half = len(group) // 2
-            pending[:0] = [group[:half], group[half:]]
-        else:
-            out.append(group)
-    return out
 
 
 class Scheduler:
@@ -287,7 +265,7 @@ class Scheduler:
             offset += counts[-1]
             bases.append(rows_out)
             rows_out += len(req.streams)
-        sampling = self._sampling(requests, [len(r.streams) for r in requests], 0)
+        sampling = sampling_rows(requests, [len(r.streams) for r in requests], 0)
         inputs = StepInputs(
             kind="extend", input_ids=torch.tensor(ids, dtype=torch.int64),
             layout=StepLayout(torch.cat(positions), torch.cat(sids), torch.cat(rows)),
@@ -295,10 +273,10 @@ class Scheduler:
             req_rows=torch.tensor([r.row for r in requests]),
             kv_start=torch.tensor([r.doc_len if cascade else 0 for r in requests]),
             prefix_lens=torch.tensor([r.doc_len for r in requests]),
-            logit_indices=torch.cat(lasts), **self._doc_runs(requests, 0),
-            cascade_groups=self._groups(requests, 0, lambda r: True) if cascade else None)
+            logit_indices=torch.cat(lasts), **doc_runs(requests, 0),
+            cascade_groups=cascade_groups(requests, 0, lambda r: True) if cascade else None)
         fed = [np.arange(r.width) < len(r.streams) for r in requests]
-        sampling.grammar = _grammar_rows(requests, bases, fed)
+        sampling.grammar = grammar_rows(requests, bases, fed)
         step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases, fed)
         for req, base in zip(requests, bases):
             req.start_answers()
@@ -319,8 +297,8 @@ class Scheduler:
             req_rows=torch.tensor([r.row for r in requests]),
             kv_start=torch.tensor([r.doc_len if cascade else 0 for r in requests]),
             prefix_lens=torch.tensor([r.doc_len for r in requests]),
-            logit_indices=plan.logit_indices, **self._doc_runs(requests, 0),
-            cascade_groups=self._groups(requests, 0, lambda r: True) if cascade else None)
+            logit_indices=plan.logit_indices, **doc_runs(requests, 0),
+            cascade_groups=cascade_groups(requests, 0, lambda r: True) if cascade else None)
         return inputs, plan
 
     def retire(self, requests: Sequence[Request]) -> None:
@@ -375,18 +353,18 @@ class Scheduler:
         rows = [r.row for r in requests] + [self.table.DUMMY_ROW] * pad
         groups = None
         kv_start = torch.zeros(batch + pad, dtype=torch.int64)
-        doc_runs = self._doc_runs(requests, pad)
+        hints = doc_runs(requests, pad)
         if cascade:
             # Cascade requests read their rows after the document; stock ones read them whole,
             # with the document hints that only they keep.
-            groups = self._groups(requests, pad, lambda r: r.mode == "cascade")
+            groups = cascade_groups(requests, pad, lambda r: r.mode == "cascade")
             kv_start = torch.tensor([r.doc_len if r.mode == "cascade" else 0 for r in requests]
                                     + [0] * pad)
             if mixed:
                 keep = torch.tensor([r.mode != "cascade" for r in requests] + [False] * pad)
-                doc_runs = {k: v * keep for k, v in doc_runs.items()}
+                hints = {k: v * keep for k, v in hints.items()}
             else:
-                doc_runs = {}
+                hints = {}
         input_src = None
         if prev is not None and any(r.pending_step == prev.uid for r in requests):
             lanes, none = np.arange(width), np.full(width, -1)
@@ -399,10 +377,10 @@ class Scheduler:
             layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
             req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
             logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True,
-            input_src=input_src, **doc_runs)
-        sampling = self._sampling(requests, None, pad * width)
+            input_src=input_src, **hints)
+        sampling = sampling_rows(requests, None, pad * width)
         bases = list(range(0, batch * width, width))
-        sampling.grammar = _grammar_rows(requests, bases, feed)
+        sampling.grammar = grammar_rows(requests, bases, feed)
         step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases, feed)
         for req, mask, count, base in zip(requests, feed, counts, step.bases):
             req.prefix_len += count
@@ -410,46 +388,6 @@ class Scheduler:
             req.num_out += mask
             req.pending_step, req.pending_row = step.uid, base
         return step
-
-    @staticmethod
-    def _groups(requests: Sequence[Request], pad: int, shares: Callable[[Request], bool]
-                ) -> list[tuple[int, int, int, int]]:
-        """Cascade groups (first, end, doc_len, doc start) of the requests that `shares`
-        picks, sorted by document and placed first; the rest, and the padding, form one
-        group whose "document" is empty."""
-        groups, first, batch = [], 0, len(requests)
-        sharing = sum(1 for r in requests if shares(r))
-        for b in range(1, sharing + 1):
-            if b == sharing or requests[b].doc is not requests[first].doc:
-                doc = requests[first].doc
-                groups.append((first, b, doc.length, doc.start))
-                first = b
-        if sharing < batch + pad:
-            groups.append((sharing, batch + pad, 0, 0))
-        return groups
-
-    @staticmethod
-    def _doc_runs(requests: Sequence[Request], pad: int) -> dict[str, torch.Tensor]:
-        """doc_start / doc_len per request: the document's contiguous slot run (length 0 when
-        its slots are scattered, and for padding)."""
-        starts = [max(r.doc.start, 0) for r in requests] + [0] * pad
-        lens = [r.doc_len if r.doc.start >= 0 else 0 for r in requests] + [0] * pad
-        return {"doc_start": torch.tensor(starts), "doc_len": torch.tensor(lens)}
-
-    @staticmethod
-    def _sampling(requests: Sequence[Request], rows: list[int] | None, pad_rows: int) -> SamplingBatch:
-        """Parameters of the step's logit rows: the first rows[i] streams of request i (prefill)
-        or all P (decode, rows None), plus `pad_rows` greedy rows for dummy requests. The step
-        counter is each stream's scheduled token count before this step."""
-        counts = rows if rows is not None else [None] * len(requests)  # [:None]: every stream
-
-        def cat(name: str, pad_value) -> torch.Tensor:
-            parts = [getattr(r, name)[:n] for r, n in zip(requests, counts)]
-            parts.append(np.full(pad_rows, pad_value, dtype=parts[0].dtype))
-            return torch.from_numpy(np.concatenate(parts))
-        return SamplingBatch(temperature=cat("temperature", 0.0), top_p=cat("top_p", 1.0),
-                             top_k=cat("top_k", 0), seed=cat("seed", 0), step=cat("num_out", 0),
-                             all_greedy=all(r.all_greedy for r in requests))
 
     # ---- after sampling --------------------------------------------------------------------
 
@@ -480,19 +418,6 @@ class Scheduler:
         return finished
 
 
-def _grammar_rows(requests: Sequence[Request], bases: list[int],
-                  fed: list[np.ndarray]) -> GrammarRows | None:
-    """The step's logit rows whose streams follow a grammar, with their matchers (None: none)."""
-    matchers, rows = [], []
-    for req, base, mask in zip(requests, bases, fed):
-        if req.constrained:
-            for s, stream in enumerate(req.streams):
-                if mask[s] and stream.matcher is not None:
-                    matchers.append(stream.matcher)
-                    rows.append(base + s)
-    return GrammarRows(matchers, rows) if matchers else None
-
-
 def _step_order(req: Request) -> tuple[int, int]:
-    """Cascade requests first, grouped by document; then the others (see `_groups`)."""
+    """Cascade requests first, grouped by document; then the others (see `batching.cascade_groups`)."""
     return (0, req.doc.uid) if req.mode == "cascade" else (1, 0)
