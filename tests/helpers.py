@@ -127,3 +127,21 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def cli_runner(db: str, **env: str):
+    """`run(*args, input=None, ok=True)`: the ppqa CLI in this process on the store `db`
+    (CliRunner), asserting exit code 0 unless ok=False; `run.db` is the path."""
+    from typer.testing import CliRunner
+
+    from ppqa.cli.app import app
+
+    def run(*args, input=None, ok=True):
+        result = CliRunner().invoke(app, ["--db", db, *map(str, args)], input=input,
+                                    env=env or None)
+        if ok:
+            assert result.exit_code == 0, result.stderr
+        return result
+
+    run.db = db
+    return run

@@ -9,11 +9,9 @@ import json
 import math
 
 import pytest
-from typer.testing import CliRunner
 
-from ppqa.cli.app import app
 from ppqa.store.params import GenerationParams
-from tests.helpers import WORKER_MODEL, tiny_engine
+from tests.helpers import WORKER_MODEL, cli_runner, tiny_engine
 
 DOC = "Port Wren has three lighthouses and a ferry that leaves at noon.\n"
 LABELS = ("yes", "no", "unsure")
@@ -21,16 +19,7 @@ LABELS = ("yes", "no", "unsure")
 
 @pytest.fixture
 def cli(tmp_path):
-    db = str(tmp_path / "store.db")
-
-    def run(*args, input=None, ok=True):
-        result = CliRunner().invoke(app, ["--db", db, *map(str, args)], input=input,
-                                    env={"COLUMNS": "160"})
-        if ok:
-            assert result.exit_code == 0, result.stderr
-        return result
-
-    return run
+    return cli_runner(str(tmp_path / "store.db"), COLUMNS="160")
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ppqa.cli.app import app
+from tests.helpers import cli_runner
 from ppqa.store import queue
 from ppqa.store.db import open_db
 
@@ -19,16 +20,7 @@ REPORT = dict(device="cpu", model="tiny", mode="parallel", wall_seconds=2.0, que
 
 @pytest.fixture
 def cli(tmp_path):
-    db = str(tmp_path / "cli.db")
-
-    def run(*args, input=None, ok=True):
-        result = CliRunner().invoke(app, ["--db", db, *map(str, args)], input=input)
-        if ok:
-            assert result.exit_code == 0, result.stderr
-        return result
-
-    run.db = db
-    return run
+    return cli_runner(str(tmp_path / "cli.db"))
 
 
 @pytest.fixture

@@ -13,9 +13,8 @@ import json
 
 import jsonschema
 import pytest
-from typer.testing import CliRunner
 
-from ppqa.cli.app import app
+from tests.helpers import cli_runner
 from ppqa.store.errors import InputError
 from ppqa.store.params import GenerationParams
 from tests.openai_fixtures import FERRY, MODEL, batch_file, chat_body
@@ -35,15 +34,7 @@ UNCOMPILABLE = {"type": "array", "uniqueItems": True}
 
 @pytest.fixture
 def cli(tmp_path):
-    db = str(tmp_path / "answers.db")
-
-    def run(*args, ok=True):
-        result = CliRunner().invoke(app, ["--db", db, *map(str, args)])
-        if ok:
-            assert result.exit_code == 0, result.stderr
-        return result
-
-    return run
+    return cli_runner(str(tmp_path / "answers.db"))
 
 
 @pytest.fixture

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from ppqa.cli.app import app
+from tests.helpers import cli_runner
 from tests.openai_fixtures import (FERRY, MODEL, batch_bodies, batch_file, chat_body,
                                    reference_answer)
 
@@ -22,15 +21,7 @@ def engine():
 
 @pytest.fixture
 def cli(tmp_path):
-    db = str(tmp_path / "cli.db")
-
-    def run(*args, ok=True):
-        result = CliRunner().invoke(app, ["--db", db, *map(str, args)])
-        if ok:
-            assert result.exit_code == 0, result.stderr
-        return result
-
-    return run
+    return cli_runner(str(tmp_path / "cli.db"))
 
 
 def export_lines(cli, *args) -> list[dict]:
