@@ -6,6 +6,13 @@
 # Run on a fresh machine (its Triton cache is empty), from the repo root, with `.whl` (the
 # wheels the device lacks) and `.carry` (PPQA_HOME with the saved BPE tokenizer) carried.
 # STEPS="startup pytest ..." runs a subset, in that order.
+# `.whl` holds cp312 manylinux wheels of what the device image lacks (device README, Notes):
+# SQLAlchemy, greenlet, pydantic, pydantic_core, typing_extensions, typing-inspection,
+# annotated-types, gguf, platformdirs (the store and loaders); fastapi, starlette, uvicorn,
+# python-multipart, annotated-doc, opentelemetry-api (serve); llguidance (JSON answers);
+# jsonschema, jsonschema-specifications, referencing, rpds-py, attrs (its GPU test). `.carry`
+# is a PPQA_HOME holding models/smollm2/tokenizer-*/ (bpe.tokenizer_dir(): run
+# `ppqa models pull smollm2` and load `dummy:<preset>+bpe` once, then copy that folder).
 set -u
 OUT=${OUT:-/tmp/ppqa-device-out}
 mkdir -p "$OUT"
