@@ -201,7 +201,7 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(db_location, tmp_p
                     kills_after_claim += claimed
                     now = store_figures(db_location)
                     answers_at_kill.append(now["answers"])
-                    if now["questions"] - now["answers"] < 60:
+                    if now["questions"] - now["answers"] < 150:
                         jobs += queue_jobs(db_location, documents=2, jobs_per_document=4,
                                            questions=5, budgets=(4, 16, 48), start=next_document)
                         next_document += 2

@@ -266,7 +266,7 @@ def test_progress_events_replay_on_one_display() -> None:
 
     stream = io.StringIO()
     sink = EventSink(stream)
-    claim = ClaimView(7, 3, "doc", range(4))
+    claim = ClaimView(7, 3, "doc", range(4), 8)  # 4 questions, 2 samples each
     outcome = JobOutcome(7, 3, "doc", "done", 4, 4, 20, None, {"questions": 4})
     sink.claimed([claim])
     sink.answered(claim, 5)

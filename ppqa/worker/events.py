@@ -2,7 +2,7 @@
 
 A worker started by `ppqa run --gpus` (worker/pool.py) reports through `EventSink`: every
 `ProgressSink` call becomes one JSON line on its stdout (claims reduced to the figures a display
-needs: job, document, name, question count). The parent reads each child's lines and `replay`s
+needs: job, document, name, question and answer counts). The parent reads each child's lines and `replay`s
 them on its own renderer, so several workers share one progress display, and `summary_of` turns
 a child's final line back into the `WorkerSummary` the parent merges into one. No torch here.
 """
@@ -24,11 +24,13 @@ class ClaimView:
     document_id: int
     document_name: str
     questions: range  # only its length is shown
+    answers_wanted: int  # one per question, or per missing sample
 
 
 def _claim(c) -> dict:
     return {"job_id": c.job_id, "document_id": c.document_id,
-            "document_name": c.document_name, "questions": len(c.questions)}
+            "document_name": c.document_name, "questions": len(c.questions),
+            "answers_wanted": c.answers_wanted}
 
 
 class EventSink(ProgressSink):
@@ -68,7 +70,7 @@ class EventSink(ProgressSink):
 
 def _view(data: dict) -> ClaimView:
     return ClaimView(data["job_id"], data["document_id"], data["document_name"],
-                     range(data["questions"]))
+                     range(data["questions"]), data["answers_wanted"])
 
 
 def summary_of(event: dict) -> WorkerSummary:
