@@ -22,9 +22,11 @@ def _check_sizes(workload: w.Workload, jobs: w.Jobs, slack: float) -> None:
             high = group.doc_tokens * (1 + group.doc_spread) * (1 + slack) + 2
             assert low <= jobs.doc_tokens[index] <= high, (workload.name, jobs.doc_tokens[index])
             mine = [j for j in jobs.jobs if j.document == index]
-            assert sum(len(j.questions) for j in mine) == group.questions
+            assert len(mine) % workload.copies == 0
+            assert sum(len(j.questions) for j in mine) == group.questions * workload.copies
+            assert len({qid for j in mine for qid, _ in j.questions}) == group.questions
             if group.answer_range is None:
-                assert [j.max_new_tokens for j in mine] == [group.answer_tokens]
+                assert {j.max_new_tokens for j in mine} == {group.answer_tokens}
             index += 1
 
 
@@ -36,8 +38,9 @@ def test_workloads_are_seeded_and_sized_with_the_byte_tokenizer(name):
     assert w.make_jobs(workload, tok, max_docs=2) == jobs
     _check_sizes(workload, jobs, slack=0.0)
     assert all(len(tok.encode(d)) == n for d, n in zip(jobs.documents, jobs.doc_tokens))
-    questions = [q for j in jobs.jobs for _, q in j.questions]
-    assert len(set(questions)) > 0.9 * len(questions)  # varied, not one form repeated
+    distinct = {q for j in jobs.jobs for _, q in j.questions}
+    asked = sum(len(j.questions) for j in jobs.jobs) // workload.copies
+    assert len(distinct) > 0.9 * asked  # varied, not one form repeated
 
 
 def test_loogle_budgets_are_drawn_per_question_around_their_mean():
@@ -214,3 +217,43 @@ def test_run_args_that_name_the_gpus_replace_the_default_gpu(tmp_path) -> None:
     assert worker_args()[-2:] == ["--gpu", "0"]
     split = worker_args("--gpus", "0,1", "--tensor-parallel", "2")
     assert "--gpu" not in split and split[-4:] == ["--gpus", "0,1", "--tensor-parallel", "2"]
+
+
+def test_answer_variants_draw_the_same_questions_and_ingest_as_batch_lines(tmp_path):
+    """The labeling and judging variants: choices, letters, JSON, samples and copies keep their
+    base workload's documents and questions, and their batch lines pass `ppqa ingest --batch`
+    with the parameters each names."""
+    from sqlalchemy import select
+
+    from ppqa.store.db import open_db
+    from ppqa.store.models import Job
+
+    tok = ByteTokenizer(vocab_size=384)
+    choices = w.make_jobs(w.WORKLOADS["quality-choices"], tok, max_docs=1)
+    letters = w.make_jobs(w.WORKLOADS["quality-letters"], tok, max_docs=1)
+    text = w.make_jobs(w.WORKLOADS["quality"], tok, max_docs=1)
+    assert choices.documents == letters.documents == text.documents
+    for c, l, t in zip(choices.jobs, letters.jobs, text.jobs):
+        assert [q for _, q in c.questions] == [q for _, q in t.questions]
+        for (_, shown), (_, asked), options in zip(l.questions, c.questions, c.choices):
+            assert len(options) == 4 == len(set(options))
+            assert shown == asked + "".join(f"\n{k}. {o}" for k, o in zip("ABCD", options))
+    expected = {"quality-choices": {}, "labeling-json": {"json_schema": w.JSON_SCHEMA},
+                "labeling-samples8": {"samples": 8, "temperature": 0.8},
+                "labeling-copies8": {"temperature": 0.8}}
+    for name, params in expected.items():
+        jobs = w.make_jobs(w.WORKLOADS[name], tok, max_docs=1)
+        folder = tmp_path / name
+        batch = w.write_batch(jobs, folder)
+        db = folder / "store.db"
+        result = CliRunner().invoke(app, ["--db", str(db), "ingest", "--batch", str(batch)])
+        assert result.exit_code == 0, result.stderr
+        store = open_db(db)
+        with store.read() as conn:
+            stored = [row[0] for row in conn.execute(select(Job.params))]
+        store.close()
+        assert len(stored) == len(jobs.jobs)
+        for job_params in stored:
+            assert {k: job_params.get(k) for k in params} == params
+        if name == "labeling-copies8":
+            assert sorted(p["seed"] for p in stored) == list(range(8))

@@ -4,7 +4,10 @@ A `Workload` is groups of documents (`DocGroup`: how many, their length in token
 own tokenizer, questions each, answer budget). `make_jobs(workload, tokenizer)` draws them from
 the seed: each document is a slice of the project's synthetic prose (`grid.synthetic_text`) of
 the drawn length, each question one of the forms below with the document's words filled in, each
-answer budget fixed or drawn per question. Dummy weights seldom emit EOS, so an answer ends at its
+answer budget fixed or drawn per question. Variants answer otherwise (`Workload.answers`): options
+scored by log-probability, the same options listed and the letter generated, JSON under a
+5-field schema, N samples per question or the same jobs N times; each names the workload it is
+measured against. Dummy weights seldom emit EOS, so an answer ends at its
 budget, as EOS would end it; budgets drawn per question are rounded to `budget_step` and a
 document's questions of one budget make one job (the store keeps one budget per job), so its
 streams finish at different steps. `write_batch` writes the jobs as an `ppqa ingest --batch`
@@ -79,10 +82,25 @@ class Workload:
     budget_step: int = 1  # per-question budgets are rounded to a multiple of this
     arrivals: bool = False  # ingested at a steady rate while a `ppqa run --follow` worker runs
     description: str = ""
+    # How questions are answered: "text" (generated), "choices" (options scored by
+    # log-probability), "letters" (the same options listed in the question, the letter
+    # generated), "json" (generated under JSON_SCHEMA).
+    answers: str = "text"
+    options: int = 0  # per question, for "choices" and "letters"
+    samples: int = 1  # answers per question (drawn at temperature 0.8)
+    copies: int = 1  # each job ingested this many times, with seeds 0, 1, ... (samples' baseline)
 
     def __post_init__(self) -> None:
-        if self.template not in ("qa", "label"):
-            raise ValueError(f"Workload.template must be qa or label, got {self.template!r}")
+        if self.template not in ("qa", "label", "multiple_choice"):
+            raise ValueError(f"Workload.template must be qa, label or multiple_choice, "
+                             f"got {self.template!r}")
+        if self.answers not in ANSWER_KINDS:
+            raise ValueError(f"Workload.answers must be one of {', '.join(ANSWER_KINDS)}, "
+                             f"got {self.answers!r}")
+        if (self.answers in ("choices", "letters")) != (self.options >= 2):
+            raise ValueError("Workload.options (>= 2) goes with answers 'choices' or 'letters'")
+        if self.samples < 1 or self.copies < 1:
+            raise ValueError("Workload.samples and copies must be >= 1")
         if not self.groups or self.budget_step < 1:
             raise ValueError("a Workload needs document groups and budget_step >= 1")
 
@@ -96,6 +114,9 @@ class JobSpec:
     questions: list[tuple[str, str]]
     max_new_tokens: int
     template: str
+    # Batch-line extras: each question's options (scored), and generation parameters.
+    choices: list[list[str]] | None = None
+    params: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -107,7 +128,22 @@ class Jobs:
     jobs: list[JobSpec] = field(default_factory=list)
 
 
+ANSWER_KINDS = ("text", "choices", "letters", "json")
+LETTERS = "ABCDEFGH"
+# The 5-field record of the JSON-answer workloads (the schema grammar_mask.py measures).
+JSON_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "label": {"enum": ["positive", "negative", "neutral"]},
+    "score": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4}},
+    "required": ["name", "age", "label", "score", "tags"], "additionalProperties": False}
+# The eight labels of the label-scoring workload.
+_LABELS = ("trade", "weather", "building", "law", "festivals", "disaster", "dispute", "travel")
+
 _CODELLAMA, _QWEN = "dummy:codellama-7b+bpe", "dummy:qwen2.5-7b+bpe"
+_QUALITY = (DocGroup(115, 5700, 18, 16, doc_spread=0.3),)
+_LABELING_SHORT = (DocGroup(200, 2048, 32, 8),)
 _LABELING = (DocGroup(100, 2048, 16, 64),)
 _TINY = (DocGroup(3, 200, 4, 8),)
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [
@@ -115,9 +151,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              description="4 documents of 16k tokens x 256 questions + 4 of 8k x 64, 128-token answers"),
     Workload("labeling", _CODELLAMA, _LABELING, template="label",
              description="100 documents of 2k tokens x 16 questions, 64-token answers"),
-    Workload("labeling-short", _CODELLAMA, (DocGroup(200, 2048, 32, 8),), template="label",
+    Workload("labeling-short", _CODELLAMA, _LABELING_SHORT, template="label",
              description="200 documents of 2k tokens x 32 questions, 8-token answers"),
-    Workload("quality", _QWEN, (DocGroup(115, 5700, 18, 16, doc_spread=0.3),),
+    Workload("quality", _QWEN, _QUALITY,
              description="QuALITY-shaped: 115 documents of ~5.7k tokens x 18 questions, "
                          "16-token answers"),
     Workload("loogle", _QWEN, (DocGroup(96, 19900, 18, 234, answer_range=(60, 400),
@@ -127,6 +163,23 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("arrivals", _CODELLAMA, _LABELING, template="label", arrivals=True,
              description="the labeling jobs ingested at a steady rate while `ppqa run --follow` "
                          "runs: throughput and latency from ingest to a job's last answer"),
+    # Answers for labeling and judging, each beside the workload it is measured against.
+    Workload("quality-choices", _QWEN, _QUALITY, template="multiple_choice", answers="choices",
+             options=4, description="quality's documents and questions with 4 lettered options "
+                                    "each, the answer scored by log-probability (no decode)"),
+    Workload("quality-letters", _QWEN, _QUALITY, template="multiple_choice", answers="letters",
+             options=4, description="quality-choices' questions and options, the letter "
+                                    "generated (16-token answers)"),
+    Workload("labeling-short-labels", _CODELLAMA, _LABELING_SHORT, template="label",
+             answers="choices", options=8,
+             description="labeling-short with 8 labels per question, scored by log-probability"),
+    Workload("labeling-json", _CODELLAMA, _LABELING, template="label", answers="json",
+             description="labeling, every answer a JSON record of 5 fields (a grammar mask)"),
+    Workload("labeling-samples8", _CODELLAMA, _LABELING, template="label", samples=8,
+             description="labeling, 8 samples per question at temperature 0.8 (--samples 8)"),
+    Workload("labeling-copies8", _CODELLAMA, _LABELING, template="label", copies=8,
+             description="labeling's jobs ingested 8 times (seeds 0-7, temperature 0.8): "
+                         "labeling-samples8 done as separate jobs"),
     Workload("tiny", "dummy:tiny-gqa", _TINY,
              description="3 documents of 200 tokens x 4 questions, 8-token answers (CPU tests)"),
     Workload("tiny-arrivals", "dummy:tiny-gqa", _TINY, arrivals=True,
@@ -176,7 +229,17 @@ def make_jobs(workload: Workload, tokenizer, max_docs: int | None = None) -> Job
     """Draw the workload from its seed with `tokenizer` (the model's); see the module doc.
     `max_docs` keeps the first documents of each group only (quick trials)."""
     rng = random.Random(workload.seed)
+    # Options come from a stream of their own, so that a workload's variants (text, choices,
+    # letters) draw the same documents and questions.
+    option_rng = random.Random(workload.seed + 7919)
     forms = _LABEL_FORMS if workload.template == "label" else _QA_FORMS
+    params: dict = {}
+    if workload.answers == "json":
+        params["json_schema"] = JSON_SCHEMA
+    if workload.samples > 1 or workload.copies > 1:
+        params["temperature"] = 0.8
+    if workload.samples > 1:
+        params["samples"] = workload.samples
     out = Jobs([], [])
     for g, group in enumerate(workload.groups):
         count = min(group.documents, max_docs or group.documents)
@@ -194,13 +257,37 @@ def make_jobs(workload: Workload, tokenizer, max_docs: int | None = None) -> Job
                 q = make_question(rng, forms)
                 if q not in questions:
                     questions.append(q)
-            by_budget: dict[int, list[tuple[str, str]]] = {}
-            for i, (q, budget) in enumerate(zip(questions, _budgets(group, rng, workload.budget_step))):
-                by_budget.setdefault(budget, []).append((f"q{i + 1}", q))
-            for budget, qs in sorted(by_budget.items()):
-                out.jobs.append(JobSpec(index, f"{workload.name}-g{g}-d{index:03d}", qs, budget,
-                                        workload.template))
+            options = [_options(option_rng, workload.options, workload.template)
+                       for _ in questions]
+            by_budget: dict[int, list[int]] = {}
+            for i, budget in enumerate(_budgets(group, rng, workload.budget_step)):
+                by_budget.setdefault(budget, []).append(i)
+            for budget, picks in sorted(by_budget.items()):
+                qs = [(f"q{i + 1}", _shown(questions[i], options[i], workload)) for i in picks]
+                choices = ([options[i] for i in picks] if workload.answers == "choices"
+                           else None)
+                for copy in range(workload.copies):
+                    extra = {**params, "seed": copy} if workload.copies > 1 else params
+                    name = f"{workload.name}-g{g}-d{index:03d}" + (f"-c{copy}" if copy else "")
+                    out.jobs.append(JobSpec(index, name, qs, budget, workload.template,
+                                            choices, extra))
     return out
+
+
+def _options(rng: random.Random, count: int, template: str) -> list[str]:
+    """`count` distinct options: topic labels for the label template, else things the
+    document's sentences speak of (the answers to its questions' forms)."""
+    if count <= 0:
+        return []
+    return rng.sample(_LABELS if template == "label" else _OBJECTS, count)
+
+
+def _shown(question: str, options: list[str], workload: Workload) -> str:
+    """The question as asked: for "letters", with its options listed as the multiple_choice
+    template lists a question's choices, so both kinds see one prompt."""
+    if workload.answers != "letters":
+        return question
+    return question + "".join(f"\n{LETTERS[i]}. {o}" for i, o in enumerate(options))
 
 
 def write_batch(jobs: Jobs, folder: Path, specs: list[JobSpec] | None = None,
@@ -214,10 +301,12 @@ def write_batch(jobs: Jobs, folder: Path, specs: list[JobSpec] | None = None,
         doc = docs / f"d{job.document:04d}.txt"
         if not doc.exists():
             doc.write_text(jobs.documents[job.document], encoding="utf-8")
+        questions = [{"id": qid, "question": q} for qid, q in job.questions]
+        for item, options in zip(questions, job.choices or []):
+            item["choices"] = options
         lines.append(json.dumps({
             "document_path": f"docs/{doc.name}", "name": job.name, "template": job.template,
-            "max_new_tokens": job.max_new_tokens,
-            "questions": [{"id": qid, "question": q} for qid, q in job.questions]}))
+            "max_new_tokens": job.max_new_tokens, **job.params, "questions": questions}))
     path = folder / name
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

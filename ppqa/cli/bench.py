@@ -38,7 +38,10 @@ def _ints(text: str, what: str) -> list[int]:
     "fresh store, `ppqa ingest --batch`, `ppqa run --gpu 0 --once --mode MODE`, `ppqa export`, "
     "all subprocesses; process and run wall, start-up, prefill, decode, worker time, answers/s, "
     "peak memory, speedups over stock and whether answers equal stock's. Workloads: "
-    "paper, labeling, labeling-short, quality, loogle, arrivals; tiny and tiny-arrivals for the CPU. Runs too long for one "
+    "paper, labeling, labeling-short, quality, loogle, arrivals; answers by choosing, JSON "
+    "and samples: quality-choices against quality-letters, labeling-short-labels against "
+    "labeling-short, labeling-json against labeling, labeling-samples8 against "
+    "labeling-copies8 (e.g. --modes auto); tiny and tiny-arrivals for the CPU. Runs too long for one "
     "call split with --first-pass or per mode, then merge with --from a.json,b.json.\n\n"
     "  ppqa bench --e2e paper,labeling --plot e2e.png\n\n"
     "  ppqa bench --e2e tiny --device cpu --modes stock,parallel --out e2e_tiny.json"))
