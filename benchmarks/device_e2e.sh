@@ -55,6 +55,9 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     loogle) e2e loogle 170 --max-docs 8 ;;
     paper) e2e paper 200 --max-docs 1 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
+    answers)  # issue 21's pairs (not in the default steps: about 6 minutes)
+      step answers 420 python3 -m ppqa bench --e2e quality-choices,quality-letters,labeling-short-labels,labeling-short,labeling-samples8,labeling-copies8 \
+        --modes auto --passes 1 --max-docs 20 --out "$OUT/e2e_answers.json" ;;
     grammar)
       step grammar 100 python3 benchmarks/grammar_step.py --model dummy:codellama-7b+bpe --device cuda \
         --questions 256 --doc-tokens 2000 --out "$OUT/grammar_step.json" ;;
