@@ -242,6 +242,21 @@ def test_gpus_all_without_cuda_is_one_line(sqlite_path: Path, monkeypatch) -> No
     assert both.exit_code == 2 and "not both" in both.stderr
 
 
+def test_contradictory_device_options_are_refused_before_the_queue_is_read(tmp_path: Path) -> None:
+    """An empty queue ends `ppqa run` early, but not before its options are checked: a user
+    learns of a wrong command line at once, not on the day work arrives."""
+    db = str(tmp_path / "empty.db")
+    for args, message in [(["--gpus", "0,1", "--gpu", "0"], "not both"),
+                          (["--gpus", "0", "--devices", "cpu"], "not both"),
+                          (["--tensor-parallel", "2", "--gpu", "1"], "name them with --gpus"),
+                          (["--streams", "x"], "--streams must be")]:
+        result = CliRunner().invoke(app, ["--db", db, "run", *args, "--model", MODEL])
+        assert result.exit_code == 2, args
+        assert message in result.stderr and "no jobs" not in result.stderr
+    ok = CliRunner().invoke(app, ["--db", db, "run", "--model", MODEL])
+    assert ok.exit_code == 0 and "no jobs to run" in ok.stderr
+
+
 def test_progress_events_replay_on_one_display() -> None:
     import io
 

@@ -116,12 +116,21 @@ def run(
     from ppqa.worker.loop import Worker, WorkerError, WorkerOptions
     from ppqa.store.queue import has_claimable, waiting_questions
     from ppqa.worker.report import WorkerSummary
-    from ppqa.worker.setup import (SetupError, device_groups, load_engine, load_parallel_engine,
-                                   process_age, resolve_device)
+    from ppqa.worker.setup import (SetupError, check_device_flags, device_groups, load_engine,
+                                   load_parallel_engine, process_age, resolve_device)
 
     try:
         check_mode(mode, "--mode")
     except ValueError as exc:
+        fail(str(exc))
+    if streams is not None and streams != "auto" and (not streams.isdigit() or int(streams) < 1):
+        fail(f"--streams must be a whole number >= 1 or 'auto', got {streams!r}")
+    from_env = getattr(ctx.get_parameter_source("gpu"), "name", "") == "ENVIRONMENT"
+    if (gpus is not None or devices is not None) and from_env:
+        gpu = None  # PPQA_GPU names one worker's GPU; --gpus on the line wins
+    try:  # options that contradict each other are refused before the queue is read
+        check_device_flags(gpus, devices, tensor_parallel, gpu=gpu, device=device)
+    except SetupError as exc:
         fail(str(exc))
     db = open_store(ctx, create=True)  # unreachable or corrupt: exit 2 before anything loads
     if not follow and not has_claimable(db, model):
@@ -132,16 +141,11 @@ def run(
                                      device=device or ("auto" if gpu is None else f"cuda:{gpu}"))
                        .to_dict())
         return
-    if streams is not None and streams != "auto" and (not streams.isdigit() or int(streams) < 1):
-        fail(f"--streams must be a whole number >= 1 or 'auto', got {streams!r}")
     pool = {k: v for k, v in (("mem_fraction", mem_fraction),
                               ("kv_token_budget", kv_tokens)) if v is not None}
     ranks = None
     try:
         began = time.perf_counter()
-        from_env = getattr(ctx.get_parameter_source("gpu"), "name", "") == "ENVIRONMENT"
-        if (gpus is not None or devices is not None) and from_env:
-            gpu = None  # PPQA_GPU names one worker's GPU; --gpus on the line wins
         groups = device_groups(gpus, devices, tensor_parallel, gpu=gpu, device=device)
         if groups is not None and len(groups) > 1:
             from ppqa.worker.pool import Child

@@ -43,24 +43,32 @@ def resolve_device(gpu: int | None = None, device: str | None = None) -> str:
         raise SetupError(str(exc)) from None
 
 
-def device_groups(gpus: str | None, devices: str | None, tensor_parallel: int = 1, *,
-                  gpu: int | None = None, device: str | None = None) -> list[list[str]] | None:
-    """The devices of each worker for `--gpus LIST|all` (or the hidden `--devices`, torch
-    device names, for tests) and `--tensor-parallel N`: consecutive groups of N devices; None
-    when neither is given (one worker on `--gpu` / `--device`)."""
+def check_device_flags(gpus: str | None, devices: str | None, tensor_parallel: int = 1, *,
+                       gpu: int | None = None, device: str | None = None) -> None:
+    """SetupError for device options that contradict each other (no torch: `ppqa run` checks
+    them before it looks for work)."""
     if gpus is not None and devices is not None:
         raise SetupError("give --gpus or --devices, not both")
     if (gpus is not None or devices is not None) and (gpu is not None or device is not None):
         raise SetupError("give --gpus (a worker per GPU) or --gpu/--device (one worker), not both")
     if tensor_parallel < 1:
         raise SetupError(f"--tensor-parallel must be at least 1, got {tensor_parallel}")
+    if gpus is None and devices is None and tensor_parallel > 1 and (gpu is not None
+                                                                     or device is not None):
+        raise SetupError(f"--tensor-parallel {tensor_parallel} splits the model over "
+                         f"{tensor_parallel} GPUs: name them with --gpus, e.g. --gpus "
+                         f"{','.join(map(str, range(tensor_parallel)))}")
+
+
+def device_groups(gpus: str | None, devices: str | None, tensor_parallel: int = 1, *,
+                  gpu: int | None = None, device: str | None = None) -> list[list[str]] | None:
+    """The devices of each worker for `--gpus LIST|all` (or the hidden `--devices`, torch
+    device names, for tests) and `--tensor-parallel N`: consecutive groups of N devices; None
+    when neither is given (one worker on `--gpu` / `--device`)."""
+    check_device_flags(gpus, devices, tensor_parallel, gpu=gpu, device=device)
     if gpus is None and devices is None:
         if tensor_parallel == 1:
             return None
-        if gpu is not None or device is not None:
-            raise SetupError(f"--tensor-parallel {tensor_parallel} splits the model over "
-                             f"{tensor_parallel} GPUs: name them with --gpus, e.g. --gpus "
-                             f"{','.join(map(str, range(tensor_parallel)))}")
         names = [f"cuda:{i}" for i in range(tensor_parallel)]
     elif devices is not None:
         names = [d.strip() for d in devices.split(",")]
