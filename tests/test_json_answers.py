@@ -85,6 +85,8 @@ def test_ingest_run_export_writes_objects_that_validate(cli, inputs, tmp_path) -
               inputs / "schema.json", "--max-new-tokens", "96").stdout.strip()
     plain = cli("ingest", inputs / "doc.txt", inputs / "q.txt", "--max-new-tokens", "6")
     assert json.loads(cli("show", job, "--json").stdout)["params"]["json_schema"] == SCHEMA
+    shown = " ".join(cli("show", job).stdout.split())  # the table, its wrapping undone
+    assert "json_schema={\"type\": \"object\"" in shown  # JSON, not a Python dict
     cli("run", "--once", "--model", "dummy:tiny-gqa", "--device", "cpu")
     rows = [json.loads(line) for line in cli("export", "-", "--format", "jsonl").stdout.splitlines()]
     schema_rows = [r for r in rows if str(r["job"]) == job]

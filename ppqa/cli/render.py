@@ -4,6 +4,8 @@ Tables go to stdout (they are the data); colour follows Rich's terminal detectio
 Commands with `--json` skip this module and print the same dicts as JSON.
 """
 
+import json
+
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -74,7 +76,7 @@ def job_summary(job: dict) -> Table:
     table.add_row("Document", f"{job['document_name']} (document {job['document']})")
     table.add_row("Status", _status(job["status"]))
     table.add_row("Answered", f"{job['answered']} of {job['questions']}")
-    table.add_row("Parameters", ", ".join(f"{k}={v}" for k, v in params.items()))
+    table.add_row("Parameters", ", ".join(f"{k}={_param(v)}" for k, v in params.items()))
     table.add_row("Priority / tries", f"{job['priority']} / {job['attempts']}")
     for key in ("created_at", "started_at", "finished_at"):
         if job[key]:
@@ -147,3 +149,10 @@ def report_details(reports: list[dict]) -> Table:
                       f"{_num(r['questions_per_second'])} questions/s, peak memory "
                       f"{_mib(r['peak_memory_bytes'])} MiB")
     return table
+
+
+def _param(value) -> str:
+    """A job parameter as a user wrote it: JSON for objects and lists (a JSON schema)."""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
