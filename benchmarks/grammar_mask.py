@@ -30,18 +30,8 @@ from pathlib import Path
 
 import torch
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "label": {"enum": ["positive", "negative", "neutral"]},
-        "score": {"type": "number"},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
-    },
-    "required": ["name", "age", "label", "score", "tags"],
-    "additionalProperties": False,
-}
+# The 5-field record of the e2e JSON workloads, one definition for every benchmark.
+from ppqa.bench.workloads import JSON_SCHEMA as SCHEMA  # noqa: E402
 SEPARATORS = (", ", ": ")  # json.dumps' defaults; every library is set to this fixed layout
 WORDS = ["alpha", "harbor", "Zürich", "quiet", "north", "paper", "x", "data", "labels", "judge"]
 

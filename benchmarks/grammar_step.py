@@ -2,11 +2,11 @@
 mask and without it.
 
 N questions about one seeded document (`ppqa bench`'s synthetic text), greedy. First every
-question is answered under the 5-field schema of `grammar_mask.py` (the mask filled on the host
-per step, applied to the logits, constrained steps read back before the next is built); then
-the same questions without a schema, each given exactly its constrained answer's length as its
-budget with EOS ignored, so both runs decode the same streams for the same number of steps and
-the ratio of their decode seconds is the ratio of their step costs. The document is cached and
+question is answered under the 5-field schema (`ppqa.bench.workloads.JSON_SCHEMA`; the mask
+filled on the host per step, applied to the logits, constrained steps read back before the next
+is built); then the same questions without a schema, each given exactly its constrained
+answer's length as its budget with EOS ignored, so both runs decode the same streams for the
+same number of steps and the ratio of their decode seconds is the ratio of their step costs. The document is cached and
 a warm-up run compiles and captures before timing; passes alternate the order.
 
     python benchmarks/grammar_step.py --model dummy:qwen2.5-1.5b+bpe --device cuda \
@@ -20,7 +20,6 @@ of its passes (every pass is in `runs`).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
@@ -32,15 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from ppqa import Engine, QuestionRequest, SamplingParams  # noqa: E402
 from ppqa.bench.grid import git_commit, make_workload  # noqa: E402
+from ppqa.bench.workloads import JSON_SCHEMA  # noqa: E402
 from ppqa.json_schema import schema_text  # noqa: E402
-
-
-def _schema() -> dict:
-    """grammar_mask.py's 5-field schema (one definition of the benchmark schema)."""
-    spec = importlib.util.spec_from_file_location("grammar_mask", ROOT / "benchmarks" / "grammar_mask.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.SCHEMA
 
 
 def run(engine: Engine, requests: list[QuestionRequest], mode: str) -> tuple[dict, object]:
@@ -70,7 +62,7 @@ def main() -> None:
 
     engine = Engine(args.model, device=args.device, dtype=args.dtype)
     document, questions = make_workload(engine.tokenizer, args.doc_tokens, args.questions, args.seed)
-    schema = _schema()
+    schema = JSON_SCHEMA
     constrained = [QuestionRequest(i, document, q, SamplingParams(
         max_new_tokens=args.max_new_tokens, json_schema=schema_text(schema)))
         for i, q in enumerate(questions)]

@@ -130,7 +130,8 @@ class Jobs:
 
 ANSWER_KINDS = ("text", "choices", "letters", "json")
 LETTERS = "ABCDEFGH"
-# The 5-field record of the JSON-answer workloads (the schema grammar_mask.py measures).
+# The 5-field record of the JSON-answer workloads (and of benchmarks/grammar_mask.py and
+# grammar_step.py).
 JSON_SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
     "age": {"type": "integer", "minimum": 0, "maximum": 150},
