@@ -64,9 +64,8 @@ def attention_flops(cfg, pairs: float) -> float:
 
 
 def causal_pairs(start: int, end: int) -> float:
-    """Pairs of a chunk [start, end) attending causally to [0, t]."""
-    return sum(t + 1 for t in range(start, end)) if end - start < 10 else \
-        (end - start) * (start + end + 1) / 2
+    """Pairs of a chunk [start, end) attending causally to [0, t]: the sum of t + 1 over it."""
+    return (end - start) * (start + end + 1) / 2
 
 
 class EventTimer:

@@ -119,10 +119,7 @@ class Engine:
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                streams: int | None = None, template: str = "qa") -> list[Answer]:
         """Answers to `questions` about `document`, in question order."""
-        if isinstance(questions, str):
-            raise TypeError("questions must be a sequence of strings, not one string")
-        if len(questions) == 0:
-            raise ValueError("no questions: give at least one question about the document")
+        _check_questions(questions)
         if sampling is None or isinstance(sampling, SamplingParams):
             params = [sampling or SamplingParams()] * len(questions)
         else:
@@ -131,14 +128,7 @@ class Engine:
                 raise ValueError(f"{len(params)} SamplingParams for {len(questions)} questions")
         requests = [QuestionRequest(i, document, q, p, template)
                     for i, (q, p) in enumerate(zip(questions, params))]
-        answers: dict[int, Answer] = {}
-
-        def keep(request: QuestionRequest, answer: Answer) -> None:
-            answer.question_index = request.key
-            answers[request.key] = answer
-
-        self.run(requests, mode=mode, streams=streams, on_answer=keep)
-        return [answers[i] for i in range(len(questions))]
+        return self._in_order(requests, mode=mode, streams=streams)
 
     def score(self, document: str, questions: Sequence[str],
               choices: Sequence[str] | Sequence[Sequence[str]], *, template: str = "label",
@@ -148,10 +138,7 @@ class Engine:
         `choices`: one list of labels for every question, or one list per question; `norm`:
         how choices are compared (ppqa/choices.py: none, token or char). Each Answer holds
         `choice`, `choice_logprobs` and `choice_probs` in the choices' order."""
-        if isinstance(questions, str):
-            raise TypeError("questions must be a sequence of strings, not one string")
-        if len(questions) == 0:
-            raise ValueError("no questions: give at least one question about the document")
+        _check_questions(questions)
         if isinstance(choices, str) or not choices:
             raise ValueError("choices must be a list of labels, or one list per question")
         per_question = ([list(choices)] * len(questions) if isinstance(choices[0], str)
@@ -161,14 +148,18 @@ class Engine:
         requests = [QuestionRequest(i, document, q, template=template, choices=tuple(c),
                                     choice_norm=norm)
                     for i, (q, c) in enumerate(zip(questions, per_question))]
+        return self._in_order(requests, mode=mode)
+
+    def _in_order(self, requests: list[QuestionRequest], **run_kwargs) -> list[Answer]:
+        """`run` over requests keyed 0..n-1, their answers in that order."""
         answers: dict[int, Answer] = {}
 
         def keep(request: QuestionRequest, answer: Answer) -> None:
             answer.question_index = request.key
             answers[request.key] = answer
 
-        self.run(requests, mode=mode, on_answer=keep)
-        return [answers[i] for i in range(len(questions))]
+        self.run(requests, on_answer=keep, **run_kwargs)
+        return [answers[i] for i in range(len(requests))]
 
     def session(self, on_answer: Callable[[QuestionRequest, Answer], None] | None = None,
                 on_error: Callable[[QuestionRequest, Exception], None] | None = None
@@ -267,3 +258,10 @@ def _synthetic_text(tokenizer, tokens: int) -> str:
     words = "the harbor opened early and the ferry left at noon on every day of the week "
     per_copy = max(len(tokenizer.encode(words)), 1)
     return words * max(tokens // per_copy, 1)
+
+
+def _check_questions(questions) -> None:
+    if isinstance(questions, str):
+        raise TypeError("questions must be a sequence of strings, not one string")
+    if len(questions) == 0:
+        raise ValueError("no questions: give at least one question about the document")
