@@ -3,7 +3,8 @@
 Times each phase of what `ppqa run` does before its first claim, in one process, then profiles
 `Engine(...)` and `Engine.warmup()` with cProfile (the functions with the most cumulative time).
 Run it twice, once with an empty Triton cache (TRITON_CACHE_DIR=$(mktemp -d)), to see what
-compiling costs.
+compiling costs. The warm-up is timed phase by phase (`Engine.warmup_phases`), with the Triton
+compilations each phase met: kernel, seconds, specialisation.
 
     python3 benchmarks/startup_profile.py --model dummy:codellama-7b+bpe --out startup.json
 """
@@ -59,11 +60,20 @@ def main() -> None:
     prof.disable()
     phases["engine_build_s"] = time.perf_counter() - t
     build_top = top(prof) if not args.no_profile else []
+    compiles = count_compiles()
     prof2 = cProfile.Profile()
     t = time.perf_counter()
     if not args.no_profile:
         prof2.enable()
-    engine.warmup()
+    by_phase = {}
+    for name, phase in engine.warmup_phases():
+        began, seen = time.perf_counter(), len(compiles)
+        phase()
+        by_phase[name] = {"seconds": round(time.perf_counter() - began, 3),
+                          "compiles": compiles[seen:]}
+        print(f"warm-up phase {name}: {by_phase[name]['seconds']:.2f} s, "
+              f"{len(compiles) - seen} compilations "
+              f"({sum(c[1] for c in compiles[seen:]):.2f} s)", flush=True)
     prof2.disable()
     phases["warmup_s"] = time.perf_counter() - t
     warm_top = top(prof2) if not args.no_profile else []
@@ -76,7 +86,29 @@ def main() -> None:
     print("--- warmup() by cumulative time")
     print("\n".join(warm_top))
     with open(args.out, "w") as f:
-        json.dump({"phases": phases, "build_top": build_top, "warmup_top": warm_top}, f, indent=1)
+        json.dump({"phases": phases, "warmup_phases": by_phase, "build_top": build_top,
+                   "warmup_top": warm_top}, f, indent=1)
+
+
+def count_compiles() -> list:
+    """A list that each Triton compilation from now on appends [kernel, seconds, key] to (a
+    compilation served from the disk cache takes milliseconds)."""
+    seen: list = []
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return seen
+    original = JITFunction._do_compile
+
+    def counted(self, *a, **k):
+        t0 = time.perf_counter()
+        out = original(self, *a, **k)
+        seen.append([getattr(self, "__name__", str(self)), round(time.perf_counter() - t0, 3),
+                     str(a[3])[:200]])
+        return out
+
+    JITFunction._do_compile = counted
+    return seen
 
 
 if __name__ == "__main__":

@@ -199,36 +199,53 @@ class Engine:
 
     def warmup(self) -> float:
         """Compile the kernels and capture the decode graphs that sessions meet, so that a
-        user's first batch pays for none of it; returns the seconds it took. Synthetic work:
-        a document one chunk longer than `max_prefill_tokens` (its second chunk reads the
-        first through the document hint) with a full step of questions (`max_batch_requests`)
-        by cascade, the same count by stock on a short document (the full-batch decode graphs
-        and the large question prefill), a few questions in every mode (the small batches a
-        draining step passes through) and a step holding stock and cascade requests together.
-        Each decode shape runs three steps, the use on which it is captured. The synthetic
-        documents stay cached only until their KV is needed."""
+        user's first batch pays for none of it; returns the seconds it took. Runs every phase
+        of `warmup_phases` in order."""
         import time
 
         began = time.perf_counter()
+        for _, phase in self.warmup_phases():
+            phase()
+        return time.perf_counter() - began
+
+    def warmup_phases(self) -> list[tuple[str, Callable[[], None]]]:
+        """The warm-up as named phases, each synthetic work that meets a set of kernels and
+        graphs: `long` a document one chunk longer than `max_prefill_tokens` (its second chunk
+        reads the first through the document hint) with a full step of questions
+        (`max_batch_requests`) by cascade; `many` the same count by stock on a short document
+        (the full-batch decode graphs and the large question prefill); `few-<mode>` a few
+        questions in each mode (the small batches a draining step passes through); `mixed` a
+        step holding stock and cascade requests together. Each decode shape runs three steps,
+        the use on which it is captured. The synthetic documents stay cached only until their
+        KV is needed. Phases are independent: compile helpers (engine/precompile.py) run them
+        apart, in other processes."""
         sampling = SamplingParams(max_new_tokens=4, ignore_eos=True)
         many = [f"What happened on day {i}?" for i in range(self.config.max_batch_requests)]
         few = many[:8]
         short = _synthetic_text(self.tokenizer, 150)
-        long = _synthetic_text(self.tokenizer, self.config.max_prefill_tokens + 64)
-        if self.fit_error(len(self.tokenizer.encode(long)) + 64, 16, 4) is None:
-            self.answer(long, many, mode="cascade", sampling=sampling)
-        self.answer(short, many, mode="stock", sampling=sampling)
-        for mode in ("stock", "cascade", "parallel"):
-            self.answer(short, few, mode=mode, sampling=sampling,
-                        streams=4 if mode == "parallel" else None)
-        session = self.session()
-        session.submit([QuestionRequest(i, short, q, sampling) for i, q in enumerate(few)],
-                       mode="cascade")
-        session.submit([QuestionRequest(i, short[::-1], q, sampling) for i, q in enumerate(few)],
-                       mode="stock")
-        session.drain()
-        session.close()
-        return time.perf_counter() - began
+
+        def long_document() -> None:
+            long = _synthetic_text(self.tokenizer, self.config.max_prefill_tokens + 64)
+            if self.fit_error(len(self.tokenizer.encode(long)) + 64, 16, 4) is None:
+                self.answer(long, many, mode="cascade", sampling=sampling)
+
+        def few_in(mode: str) -> Callable[[], None]:
+            return lambda: self.answer(short, few, mode=mode, sampling=sampling,
+                                       streams=4 if mode == "parallel" else None)
+
+        def mixed() -> None:
+            session = self.session()
+            session.submit([QuestionRequest(i, short, q, sampling) for i, q in enumerate(few)],
+                           mode="cascade")
+            session.submit([QuestionRequest(i, short[::-1], q, sampling)
+                            for i, q in enumerate(few)], mode="stock")
+            session.drain()
+            session.close()
+
+        return [("long", long_document),
+                ("many", lambda: self.answer(short, many, mode="stock", sampling=sampling)),
+                *((f"few-{mode}", few_in(mode)) for mode in ("stock", "cascade", "parallel")),
+                ("mixed", mixed)]
 
     # ---- used by sessions --------------------------------------------------------------------
 
