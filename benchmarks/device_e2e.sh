@@ -46,8 +46,10 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step pyenv 120 bash benchmarks/import_times.sh ;;
     startup)
       export TRITON_CACHE_DIR=/tmp/triton-startup-$$  # empty: the first run compiles everything
-      step startup_cold 120 python3 benchmarks/startup_profile.py --no-profile --out "$OUT/startup_cold.json"
-      step startup_warm 90 python3 benchmarks/startup_profile.py --no-profile --out "$OUT/startup_warm.json"
+      step startup_cold 120 python3 benchmarks/startup_profile.py --no-profile ${HELPERS:+--helpers} \
+        --out "$OUT/startup_cold.json"
+      step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
+        --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
@@ -61,7 +63,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
         --out "$OUT/timeline512.json" ;;
     quality) e2e quality 150 --max-docs 20 ;;
     loogle) e2e loogle 170 --max-docs 8 ;;
-    paper) e2e paper 200 --max-docs 1 ;;
+    paper) e2e paper 260 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
     answers)  # issue 21's pairs (not in the default steps: about 6 minutes)
       step answers 420 python3 -m ppqa bench --e2e quality-choices,quality-letters,labeling-short-labels,labeling-short,labeling-samples8,labeling-copies8 \

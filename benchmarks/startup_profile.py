@@ -35,8 +35,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="startup.json")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--helpers", action="store_true",
+                    help="start compile helpers first, as `ppqa run` does (engine/precompile.py; "
+                         "none start where the Triton cache holds this model's marker)")
     args = ap.parse_args()
     phases = {}
+    if args.helpers:
+        from ppqa.engine import precompile
+
+        phases["helpers_started"] = len(precompile.start(args.model, args.device))
     t = time.perf_counter()
     import torch
 
@@ -59,6 +66,8 @@ def main() -> None:
         torch.cuda.synchronize()
     prof.disable()
     phases["engine_build_s"] = time.perf_counter() - t
+    if args.helpers:
+        phases["helpers_wait"] = precompile.last_wait  # (finished well, started, seconds)
     build_top = top(prof) if not args.no_profile else []
     compiles = count_compiles()
     prof2 = cProfile.Profile()

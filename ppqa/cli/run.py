@@ -158,6 +158,11 @@ def run(
                         for label, g in zip(labels, groups)]
             return _run_pool(db, model, children, json_out)
         split = groups is not None and len(groups[0]) > 1  # tensor parallelism
+        if not split:  # on a GPU whose Triton cache lacks the kernels: compile in parallel
+            from ppqa.engine import precompile
+
+            precompile.start(model, groups[0][0] if groups else
+                             f"cuda:{gpu}" if gpu is not None else device, pool)
         device_name = ("+".join(groups[0]) if split else
                        resolve_device(gpu, device) if groups is None else
                        resolve_device(None, groups[0][0]))
@@ -170,10 +175,18 @@ def run(
         built = time.perf_counter()
         warm = engine.warmup() if engine.device.type == "cuda" else 0.0
     except SetupError as exc:
+        from ppqa.engine import precompile
+
+        precompile.stop()
         fail(str(exc))
+    from ppqa.engine import precompile
+
     age = process_age()
+    helped = precompile.last_wait
     say((f"ready after {age:.1f} s: " if age is not None else "ready: ")
         + f"torch and the device {loaded - began:.1f} s, model and KV pool {built - loaded:.1f} s"
+        + (f" (of which {helped[2]:.1f} s waiting for {helped[1]} compile helpers, "
+           f"{helped[0]} finished)" if helped else "")
         + (f", kernels compiled and graphs captured {warm:.1f} s" if warm else ""))
     if streams is not None and streams != "auto":
         streams = int(streams)

@@ -200,12 +200,17 @@ class Engine:
     def warmup(self) -> float:
         """Compile the kernels and capture the decode graphs that sessions meet, so that a
         user's first batch pays for none of it; returns the seconds it took. Runs every phase
-        of `warmup_phases` in order."""
+        of `warmup_phases` in order; on a GPU, then marks the Triton cache as holding this
+        model's kernels (engine/precompile.py: later starts need no compile helpers)."""
         import time
 
         began = time.perf_counter()
         for _, phase in self.warmup_phases():
             phase()
+        if self.device.type == "cuda":
+            from ppqa.engine import precompile
+
+            precompile.mark_warm(self.model_name, vars(self.config))
         return time.perf_counter() - began
 
     def warmup_phases(self) -> list[tuple[str, Callable[[], None]]]:

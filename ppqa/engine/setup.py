@@ -48,6 +48,9 @@ class EngineParts:
 def _pool_slots(config: EngineConfig, device: torch.device, bytes_per_slot: int) -> int:
     if device.type != "cuda":
         return config.kv_token_budget + 1  # + the sink slot 0
+    from ppqa.engine import precompile
+
+    precompile.wait()  # compile helpers hold GPU memory until they exit
     torch.cuda.synchronize(device)
     free, _ = torch.cuda.mem_get_info(device)
     return max(2, int(free * config.mem_fraction) // bytes_per_slot)

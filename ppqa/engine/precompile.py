@@ -1,0 +1,210 @@
+"""Compile helpers: the warm-up's Triton compilations spread over child processes.
+
+On a machine whose Triton cache has never held this engine's kernels, `Engine.warmup` compiles
+a few dozen kernel variants one after another (~20 s on the H200 for a 7B model,
+results/h200/startup_cold_phases.json). A worker that starts helpers before it imports torch
+gets them compiled in parallel instead: each helper is a child process that builds a one-layer
+copy of the model (the same dimensions, random weights, a small KV pool) and runs some of the
+warm-up's phases (`Engine.warmup_phases`), which writes the compiled kernels into the shared
+Triton cache. The worker meanwhile imports torch and loads its weights; before it sizes its KV
+pool (which takes a share of the GPU memory then free) it waits for the helpers to exit, and its
+own warm-up then finds the kernels on disk.
+
+A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
+configuration and kernel source has completed there; helpers start only where it is missing, so
+a warm machine starts none. A helper that fails costs nothing but its time: the worker compiles
+whatever is missing itself.
+
+This module imports neither torch nor triton at the top: `start` runs before either is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MARKER_PREFIX = "ppqa-warm-"
+# The warm-up's phases, grouped per helper so the longest phase runs alone; on an empty cache
+# `long` compiled for 11 s, `mixed` 6 s, `many` 4 s and the three `few-*` together 2.5 s
+# (results/h200/startup_cold_phases.json).
+HELPER_PHASES = (("long",), ("mixed",), ("many",), ("few-stock", "few-cascade", "few-parallel"))
+# EngineConfig fields that change which kernels the warm-up meets and that a worker knows
+# before torch resolves the rest (dtype and backend follow the device).
+_WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
+_WAIT_SECONDS = 300.0  # a helper still running after this is stopped (the worker compiles instead)
+
+_started: list[Helper] = []  # helpers this process started and has not waited for
+last_wait: tuple[int, int, float] | None = None  # (finished well, started, seconds waited)
+
+
+@dataclasses.dataclass
+class Helper:
+    phases: tuple[str, ...]
+    process: subprocess.Popen
+    log: Path
+
+
+def triton_cache_dir() -> Path:
+    """Triton's cache folder, found as Triton finds it (TRITON_CACHE_DIR, else
+    $TRITON_HOME/.triton/cache, else ~/.triton/cache), without importing Triton."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    return Path(os.environ.get("TRITON_HOME") or os.path.expanduser("~/")) / ".triton" / "cache"
+
+
+def marker(model: str, fields: dict) -> Path:
+    """The file that says a warm-up of `model` with EngineConfig `fields` (those that change
+    the kernels met; absent ones take EngineConfig's defaults) and today's kernel sources
+    completed with this Triton cache."""
+    from ppqa.config import EngineConfig
+
+    defaults = vars(EngineConfig())
+    digest = hashlib.sha256()
+    digest.update(json.dumps([model, {k: fields.get(k, defaults[k]) for k in _WARMUP_FIELDS}],
+                             sort_keys=True, default=str).encode())
+    for source in sorted(Path(__file__).parent.parent.joinpath("kernels").glob("*.py")):
+        digest.update(source.read_bytes())
+    return triton_cache_dir() / f"{MARKER_PREFIX}{digest.hexdigest()[:20]}"
+
+
+def mark_warm(model: str, fields: dict) -> None:
+    """Record that the warm-up of `model` completed (a cache folder that cannot be written
+    only costs the next start its helpers)."""
+    path = marker(model, fields)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{model}\n")
+    except OSError:
+        pass
+
+
+def likely_gpu(device: str | None) -> bool:
+    """Whether `device` ('cuda:N', 'cuda', 'cpu', None for the default) names a GPU, judged
+    without torch: the default counts as a GPU where an NVIDIA device node exists."""
+    if device is None or device == "auto":
+        return bool(glob.glob("/dev/nvidia[0-9]*"))
+    return device.startswith("cuda")
+
+
+def start(model: str, device: str | None, fields: dict | None = None) -> list[Helper]:
+    """Start the helpers for `model` on `device` where the Triton cache lacks the model's
+    marker and the device is a GPU; [] otherwise. `fields`: the EngineConfig fields the engine
+    will be built with."""
+    fields = dict(fields or {})
+    if os.environ.get("TRITON_INTERPRET") == "1" or not likely_gpu(device):
+        return []
+    if marker(model, fields).exists():
+        return []
+    logs = Path(tempfile.mkdtemp(prefix="ppqa-compile-"))
+    helpers = []
+    for i, phases in enumerate(HELPER_PHASES):
+        log = logs / f"helper-{i}.log"
+        with open(log, "w") as out:
+            command = [sys.executable, "-m", "ppqa.engine.precompile", "--model", model,
+                       "--device", device or "cuda", "--phases", ",".join(phases),
+                       "--fields", json.dumps(fields)]
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        helpers.append(Helper(phases, process, log))
+    _started.extend(helpers)
+    return helpers
+
+
+def wait(timeout: float = _WAIT_SECONDS) -> tuple[int, int]:
+    """Wait for the helpers this process started (stopping any still running after `timeout`
+    seconds in all); (finished well, started). (0, 0) when none were started."""
+    global last_wait
+    helpers, _started[:] = list(_started), []
+    if not helpers:
+        return 0, 0
+    began = time.monotonic()
+    ok = 0
+    for helper in helpers:
+        try:
+            ok += helper.process.wait(timeout=max(began + timeout - time.monotonic(), 0.1)) == 0
+        except subprocess.TimeoutExpired:
+            helper.process.kill()
+            helper.process.wait()
+    last_wait = (ok, len(helpers), time.monotonic() - began)
+    return ok, len(helpers)
+
+
+def stop() -> None:
+    """Stop the helpers this process started (the worker gives up before loading)."""
+    helpers, _started[:] = list(_started), []
+    for helper in helpers:
+        if helper.process.poll() is None:
+            helper.process.kill()
+            helper.process.wait()
+
+
+def shadow_engine(model: str, device: str, fields: dict):
+    """An Engine with the model's dimensions, tokenizer and configuration but one layer of
+    random weights, and a KV pool large enough for the warm-up (not a share of the GPU)."""
+    import torch
+
+    from ppqa.config import EngineConfig
+    from ppqa.engine.engine import Engine
+    from ppqa.engine.loading import presets
+    from ppqa.engine.loading.loader import load_model
+    from ppqa.engine.loading.types import LazyWeights, LoadedModel
+    from ppqa.engine.runtime.kv_cache import KVPool
+
+    config = EngineConfig(**fields)
+    dtype = getattr(torch, config.dtype or ("bfloat16" if device.startswith("cuda")
+                                            else "float32"))
+    loaded = load_model(model, device=device, dtype=dtype)  # config and tokenizer; weights lazy
+    shadow = dataclasses.replace(loaded.config, num_layers=1)
+    weights = LazyWeights(lambda: presets.dummy_weights(shadow, 0.02, device=torch.device(device),
+                                                        dtype=dtype, seed=0),
+                          sum(1 for _ in presets.weight_shapes(shadow)))
+    if torch.device(device).type == "cuda":
+        # The req_to_token rows keep the length the worker's large pool gives them (their
+        # stride is part of what a kernel is compiled for); the pool holds the warm-up's tokens.
+        row = config.max_row_tokens or 4 * shadow.max_position_embeddings
+        tokens = row + 2 * config.max_prefill_tokens + 64 * config.max_batch_requests
+        slot_bytes = KVPool.bytes_per_slot(1, shadow.num_kv_heads, shadow.head_dim, dtype)
+        free, _ = torch.cuda.mem_get_info(torch.device(device))  # other helpers take some
+        config = dataclasses.replace(config, max_row_tokens=row, mem_fraction=min(
+            1.0, tokens * slot_bytes / max(free // 2, 1)))
+    return Engine.from_loaded(LoadedModel(shadow, weights, loaded.tokenizer,
+                                          source=f"{loaded.source}, one layer for compiling"),
+                              device=device, config=config, model_name=model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Run warm-up phases on a one-layer copy of a "
+                                             "model, filling the Triton cache (a compile helper).")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", required=True)
+    ap.add_argument("--phases", required=True, help="warm-up phase names, comma-separated")
+    ap.add_argument("--fields", default="{}", help="EngineConfig fields as JSON")
+    args = ap.parse_args(argv)
+    began = time.perf_counter()
+    engine = shadow_engine(args.model, args.device, json.loads(args.fields))
+    phases = dict(engine.warmup_phases())
+    wanted = args.phases.split(",")
+    unknown = [name for name in wanted if name not in phases]
+    if unknown:
+        print(f"unknown warm-up phases {unknown}; known: {list(phases)}", file=sys.stderr)
+        return 2
+    built = time.perf_counter()
+    for name in wanted:
+        phases[name]()
+    print(f"built in {built - began:.1f} s; phases {args.phases} in "
+          f"{time.perf_counter() - built:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

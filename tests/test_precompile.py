@@ -1,0 +1,86 @@
+"""Compile helpers (engine/precompile.py): which warm-up phases they run, the marker that says a
+Triton cache is warm, when they start, and a helper process run end to end on the CPU. On a GPU,
+tests/gpu/test_precompile_gpu.py checks that they leave the worker's warm-up nothing to compile."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ppqa import Engine
+from ppqa.config import EngineConfig
+from ppqa.engine import precompile
+
+
+@pytest.fixture
+def triton_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "triton-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # start() stays off under it
+    return cache
+
+
+def test_helpers_run_every_warmup_phase_once():
+    engine = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
+    names = [name for name, _ in engine.warmup_phases()]
+    assigned = [name for group in precompile.HELPER_PHASES for name in group]
+    assert sorted(assigned) == sorted(names) and len(set(names)) == len(names)
+
+
+def test_the_marker_names_the_model_and_what_changes_the_kernels(triton_cache):
+    base = precompile.marker("dummy:tiny-gqa", {})
+    assert base.parent == triton_cache and base.name.startswith(precompile.MARKER_PREFIX)
+    assert precompile.marker("dummy:tiny-gqa", {"max_batch_requests": 256}) == base  # the default
+    assert precompile.marker("dummy:tiny-gqa", {"mem_fraction": 0.3}) == base  # pool size: no
+    assert precompile.marker("dummy:tiny-gqa", {"max_batch_requests": 512}) != base
+    assert precompile.marker("dummy:tiny-gqa", {"max_prefill_tokens": 4096}) != base
+    assert precompile.marker("dummy:tiny-mha", {}) != base
+    # the engine's own (resolved) config gives the same marker as the fields a worker passes
+    engine = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
+    assert precompile.marker(engine.model_name, vars(engine.config)) == base
+
+
+def test_no_helpers_on_the_cpu_under_the_interpreter_or_on_a_warm_cache(triton_cache, monkeypatch):
+    assert precompile.start("dummy:tiny-gqa", "cpu") == []
+    precompile.mark_warm("dummy:tiny-gqa", {})
+    assert precompile.marker("dummy:tiny-gqa", {}).is_file()
+    assert precompile.start("dummy:tiny-gqa", "cuda:0") == []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert precompile.start("dummy:tiny-mha", "cuda:0") == []
+    assert precompile.wait() == (0, 0)
+
+
+def test_a_helper_that_fails_is_counted_and_leaves_nothing_running(triton_cache, monkeypatch):
+    # A device that does not exist: the helper process starts, fails to build, and exits.
+    monkeypatch.setattr(precompile, "HELPER_PHASES", (("few-stock",),))
+    helpers = precompile.start("dummy:tiny-gqa", "cuda:99")
+    assert len(helpers) == 1
+    assert precompile.wait(timeout=120) == (0, 1)
+    assert helpers[0].process.returncode not in (0, None)
+    assert precompile.last_wait[:2] == (0, 1)
+    assert "Error" in helpers[0].log.read_text()  # the helper's own output says why
+    assert precompile.wait() == (0, 0)  # waited for once
+
+
+def test_a_helper_runs_its_phases_on_a_one_layer_copy():
+    engine = precompile.shadow_engine("dummy:tiny-gqa", "cpu", {"max_batch_requests": 16})
+    full = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
+    assert engine.model_config.num_layers == 1 < full.model_config.num_layers
+    for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                  "max_position_embeddings"):
+        assert getattr(engine.model_config, field) == getattr(full.model_config, field)
+    assert engine.config.max_batch_requests == 16
+    done = subprocess.run([sys.executable, "-m", "ppqa.engine.precompile", "--model",
+                           "dummy:tiny-gqa", "--device", "cpu", "--phases", "few-stock,mixed",
+                           "--fields", '{"max_batch_requests": 16}'],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "phases few-stock,mixed" in done.stdout
+    assert precompile.main(["--model", "dummy:tiny-gqa", "--device", "cpu",
+                            "--phases", "no-such-phase"]) == 2
+
+
+def test_warmup_on_the_cpu_writes_no_marker(triton_cache):
+    engine = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
+    engine.warmup()
+    assert not precompile.marker("dummy:tiny-gqa", {}).exists()
