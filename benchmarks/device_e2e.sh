@@ -66,7 +66,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     paper) e2e paper 260 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
     answers)  # issue 21's pairs (not in the default steps: about 6 minutes)
-      step answers 420 python3 -m ppqa bench --e2e quality-choices,quality-letters,labeling-short-labels,labeling-short,labeling-samples8,labeling-copies8 \
+      step answers 420 python3 -m ppqa bench --e2e quality-letters,quality-choices,labeling-short,labeling-short-labels,labeling-copies8,labeling-samples8 \
         --modes auto --passes 1 --max-docs ${ANSWER_DOCS:-20} --out "$OUT/e2e_answers.json" ;;
     grammar)
       step grammar 100 python3 benchmarks/grammar_step.py --model dummy:codellama-7b+bpe --device cuda \

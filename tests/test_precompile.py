@@ -62,20 +62,20 @@ def test_a_helper_that_fails_is_counted_and_leaves_nothing_running(triton_cache,
     assert precompile.wait() == (0, 0)  # waited for once
 
 
-def test_a_helper_runs_its_phases_on_a_one_layer_copy():
+def test_a_helper_runs_its_phases_on_a_two_layer_copy():
     engine = precompile.shadow_engine("dummy:tiny-gqa", "cpu", {"max_batch_requests": 16})
     full = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
-    assert engine.model_config.num_layers == 1 < full.model_config.num_layers
+    assert engine.model_config.num_layers == 2 < full.model_config.num_layers
     for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                   "max_position_embeddings"):
         assert getattr(engine.model_config, field) == getattr(full.model_config, field)
     assert engine.config.max_batch_requests == 16
     done = subprocess.run([sys.executable, "-m", "ppqa.engine.precompile", "--model",
-                           "dummy:tiny-gqa", "--device", "cpu", "--phases", "few-stock,mixed",
+                           "dummy:tiny-gqa", "--device", "cpu", "--phases", "few-stock,mixed,choices",
                            "--fields", '{"max_batch_requests": 16}'],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "phases few-stock,mixed" in done.stdout
+    assert "phases few-stock,mixed,choices" in done.stdout
     assert precompile.main(["--model", "dummy:tiny-gqa", "--device", "cpu",
                             "--phases", "no-such-phase"]) == 2
 

@@ -220,10 +220,11 @@ class Engine:
         (`max_batch_requests`) by cascade; `many` the same count by stock on a short document
         (the full-batch decode graphs and the large question prefill); `few-<mode>` a few
         questions in each mode (the small batches a draining step passes through); `mixed` a
-        step holding stock and cascade requests together. Each decode shape runs three steps,
+        step holding stock and cascade requests together; `choices` a few questions scored
+        against single- and multi-token choices. Each decode shape runs three steps,
         the use on which it is captured. The synthetic documents stay cached only until their
-        KV is needed. Phases are independent: compile helpers (engine/precompile.py) run them
-        apart, in other processes."""
+        KV is needed. Later phases meet the documents earlier ones left cached, so compile
+        helpers (engine/precompile.py) run them in groups that keep that order."""
         sampling = SamplingParams(max_new_tokens=4, ignore_eos=True)
         many = [f"What happened on day {i}?" for i in range(self.config.max_batch_requests)]
         few = many[:8]
@@ -247,10 +248,13 @@ class Engine:
             session.drain()
             session.close()
 
+        def choices() -> None:
+            self.score(short, few, ["yes", "no", "not stated in the document"], mode="cascade")
+
         return [("long", long_document),
                 ("many", lambda: self.answer(short, many, mode="stock", sampling=sampling)),
                 *((f"few-{mode}", few_in(mode)) for mode in ("stock", "cascade", "parallel")),
-                ("mixed", mixed)]
+                ("mixed", mixed), ("choices", choices)]
 
     # ---- used by sessions --------------------------------------------------------------------
 
