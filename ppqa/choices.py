@@ -11,12 +11,21 @@ module is what the input checks, the store and the engine share, without torch:
   choice's characters), plus token (the mean per token);
 - `choice_probabilities`: the softmax of the normalised scores over the choices, so that the
   probabilities of a question's choices add up to 1 and the chosen one has the highest.
+- `draw_choices`: a question's samples (`--samples N` at a temperature T > 0), drawn from the
+  one scoring: P(choice) proportional to exp(score / T), sample s seeded by
+  `config.sample_seed(seed, s)` as a generated sample is, so a draw depends on its seed and
+  the scores alone (not on the batch, the mode or the other samples).
+- `vote`: the most frequent of a question's drawn choices and its share of the draws.
 """
 
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 from collections.abc import Sequence
+
+from ppqa.config import sample_seed
 
 CHOICE_NORMS = ("none", "token", "char")
 MAX_CHOICES = 256  # a label set, not a vocabulary
@@ -75,3 +84,45 @@ def choice_probabilities(scores: Sequence[float]) -> list[float]:
     weights = [math.exp(s - top) for s in scores]
     total = sum(weights)
     return [w / total for w in weights]
+
+
+def draw_probabilities(scores: Sequence[float], temperature: float) -> list[float]:
+    """The distribution samples are drawn from: exp(score_i / T) / sum_j exp(score_j / T). A low
+    temperature sharpens it towards the best choice, a high one flattens it."""
+    if not temperature > 0:
+        raise ValueError(f"drawing choices needs a temperature above 0, got {temperature!r}")
+    return choice_probabilities([s / temperature for s in scores])
+
+
+def draw_choice(probabilities: Sequence[float], seed: int) -> int:
+    """The index of one choice drawn from `probabilities` by one uniform of `seed`: the first
+    choice whose cumulative probability passes it. Python's `Random(seed).random()` is
+    documented to give the same number on every version, so a stored draw can be redrawn."""
+    uniform = random.Random(seed).random()
+    cumulative = 0.0
+    for i, p in enumerate(probabilities):
+        cumulative += p
+        if uniform < cumulative:
+            return i
+    # The sum fell short of 1 by rounding and the uniform lies in that sliver.
+    return max(i for i, p in enumerate(probabilities) if p > 0)
+
+
+def draw_choices(scores: Sequence[float], temperature: float, seed: int, samples: int
+                 ) -> list[int]:
+    """The choice of each of a question's `samples` (see the module doc)."""
+    probabilities = draw_probabilities(scores, temperature)
+    return [draw_choice(probabilities, sample_seed(seed, s)) for s in range(samples)]
+
+
+def vote(drawn: Sequence[str], records: Sequence[dict]) -> tuple[str, float]:
+    """(the label drawn most often, its share of `drawn`) for one question's samples;
+    `records` are its `score_records`. A tie goes to the label of higher probability, then to
+    the one listed first among the question's choices."""
+    if not drawn:
+        raise ValueError("a vote needs at least one drawn choice")
+    counts = Counter(drawn)
+    rank = {r["choice"]: (r["prob"], -i) for i, r in enumerate(records)}
+    unknown = (float("-inf"), -len(records))  # a label the scores lack loses every tie
+    best = max(counts, key=lambda label: (counts[label], *rank.get(label, unknown)))
+    return best, counts[best] / len(drawn)

@@ -96,8 +96,10 @@ def test_samples_are_refused_where_they_mean_nothing() -> None:
     hot = SamplingParams(temperature=0.8)
     with pytest.raises(ValueError, match="3 samples need a temperature above 0"):
         QuestionRequest(0, "doc", "q", samples=3)
-    with pytest.raises(ValueError, match="a question with choices is scored once"):
-        QuestionRequest(0, "doc", "q", hot, choices=("a", "b"), samples=2)
+    with pytest.raises(ValueError, match="2 samples need a temperature above 0"):
+        QuestionRequest(0, "doc", "q", choices=("a", "b"), samples=2)
+    # Choices at a temperature: drawn from their scores (tests/test_choices_samples.py).
+    assert QuestionRequest(0, "doc", "q", hot, choices=("a", "b"), samples=2).samples == 2
     with pytest.raises(ValueError, match="samples must be an integer >= 1"):
         QuestionRequest(0, "doc", "q", hot, samples=0)
     QuestionRequest(0, "doc", "q", samples=1)  # one greedy answer is the usual case

@@ -1,7 +1,7 @@
 """N samples per question through the whole path: ingest --samples -> the store (answers keyed
 by question and sample; a real SQLite file) -> `ppqa run` with a tiny model -> export (a row
 per sample); a job interrupted after some samples gets only the missing ones, drawn as they
-would have been; and the refusals (greedy, choices, out of range)."""
+would have been; and the refusals (greedy, with or without choices; out of range)."""
 
 from __future__ import annotations
 
@@ -104,9 +104,9 @@ def test_an_interrupted_job_draws_only_its_missing_samples(cli):
 @pytest.mark.parametrize("args,message", [
     (["--samples", "3"], "3 samples need a temperature above 0: greedy decoding gives the "
                          "same answer every time"),
-    (["--samples", "3", "--temperature", "0.7", "--choices", "yes,no"],
-     "q.txt:1: samples apply to generated answers; a question with choices is scored once "
-     "(its log-probabilities do not vary)"),
+    (["--samples", "3", "--choices", "yes,no"], "3 samples need a temperature above 0: "
+                                                 "greedy decoding gives the same answer every "
+                                                 "time"),
     (["--samples", "0", "--temperature", "0.7"], "samples must be a whole number from 1 to "
                                                  "1024, got 0"),
 ])

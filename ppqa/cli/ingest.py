@@ -38,6 +38,8 @@ Examples:
 
   ppqa ingest report.txt questions.txt --samples 8 --temperature 0.8 --seed 7
 
+  ppqa ingest reviews.txt aspects.txt --choices "yes,no" --samples 8 --temperature 0.8
+
   ppqa ingest --openai-batch requests.jsonl --model smollm2
 """
 
@@ -91,7 +93,9 @@ def ingest(
              "with choices of their own keep them.", show_default=False)] = None,
     samples: Annotated[int, typer.Option(
         help="Answers drawn per question, each from its own seed derived from --seed; needs "
-             "--temperature above 0; the export has a row per sample, e.g. --samples 8.")] = 1,
+             "--temperature above 0; the export has a row per sample, e.g. --samples 8. A "
+             "question with choices is scored once and its samples drawn from its choices' "
+             "probabilities at the temperature; its rows carry the vote and its share.")] = 1,
     choice_norm: Annotated[str, typer.Option(
         help=f"How choices are compared: {', '.join(CHOICE_NORMS)} (summed log-probability; "
              "per token; per character, as lm-evaluation-harness's acc_norm), e.g. "

@@ -99,6 +99,8 @@ def questions_table(questions: list[dict]) -> Table:
         answer = Text(q["answer"]) if q["answer"] is not None else Text("(not yet)", style="dim")
         if q.get("choice_scores"):
             answer.append("\n" + choice_line(q["choice_scores"]), style="dim")
+        if q.get("vote") is not None:
+            answer.append(f"\nvote {q['vote']} {q['vote_share']:.2f}", style="dim")
         qid = q["question_id"] if "sample" not in q else f"{q['question_id']} #{q['sample']}"
         table.add_row(qid, q["question"], answer, q["finish_reason"] or "",
                       _num(q["tokens"]))

@@ -42,8 +42,10 @@ class QuestionRequest:
     choices: tuple[str, ...] | None = None
     choice_norm: str = "none"
     # Answers drawn for this question, each from its own random stream (seeded from the
-    # question's seed and the sample's index, `config.sample_seed`); each
-    # comes back as its own Answer with `sample` 0..samples-1. Needs a temperature above 0.
+    # question's seed and the sample's index, `config.sample_seed`); each comes back as its
+    # own Answer with `sample` 0..samples-1. Needs a temperature above 0. A question with
+    # choices is scored once and its samples drawn from the choices' distribution at the
+    # temperature (ppqa/choices.py `draw_choices`); with one sample it is the best choice.
     samples: int = 1
 
     def __post_init__(self) -> None:
@@ -59,9 +61,6 @@ class QuestionRequest:
         check_norm(self.choice_norm)
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"QuestionRequest.samples must be an integer >= 1, got {self.samples!r}")
-        if self.samples > 1 and self.choices is not None:
-            raise ValueError("samples apply to generated answers: a question with choices is "
-                             "scored once (its log-probabilities do not vary)")
         if self.samples > 1 and self.sampling.greedy:
             raise ValueError(f"{self.samples} samples need a temperature above 0: greedy "
                              "decoding would give the same answer every time")
@@ -82,10 +81,11 @@ class Answer:
     # document and question, and of the decode steps that fed it (see engine/session.py).
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    # A question with choices: the chosen label (also `text`), and per choice, in the
-    # question's order, its summed log-probability and its probability (the softmax of the
-    # normalised scores over the choices). None for generated answers.
     sample: int = 0  # which of the question's `samples` this is
+    # A question with choices: the chosen label (also `text`; a sample's drawn one), and per
+    # choice, in the question's order, its summed log-probability and its probability (the
+    # softmax of the normalised scores over the choices, at temperature 1, whatever the draw's
+    # temperature). None for generated answers.
     choice: str | None = None
     choices: list[str] | None = None  # the labels, in the question's order
     choice_logprobs: list[float] | None = None

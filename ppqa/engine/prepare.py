@@ -4,7 +4,8 @@
         prompt rendered and tokenized once (the document part shared, a suffix per question),
         every question checked to fit (context, KV pool) and its sampling parameters and JSON
         schema checked; a failure rejects that group or question alone. A generating question
-        becomes one stream per sample; a question with choices one scoring stream.
+        becomes one stream per sample; a question with choices one scoring stream, whatever
+        its samples (they are drawn from its one scoring, engine/scoring.py).
     choose_plan: the mode and width P of one document's questions (auto: the cost model).
     make_requests: the streams as scheduler requests: one per stream (stock, cascade), or
         packed P to a row (parallel), streams of one question sharing it in their row.
@@ -83,7 +84,12 @@ def prepare_groups(engine, requests: Sequence[QuestionRequest],
                 if error is not None:
                     reject(req, error)
                     continue
-                expect_scores(req, prompt.choices[q], stream.prompt_tokens)
+                # Only a question of several samples draws, so only it takes an engine seed
+                # (one answer is the best choice; other questions keep the seeds they had).
+                seed = req.sampling.seed or 0
+                if req.sampling.seed is None and req.samples > 1:
+                    seed = engine.next_seed()
+                expect_scores(req, prompt.choices[q], stream.prompt_tokens, seed)
                 streams.append(stream)
                 continue
             error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)

@@ -6,18 +6,21 @@
        `stock` and `cascade` split it into one request per choice, the question forwarded
        with each (cascade prefills them grouped by document). A question whose choices are
        all one token is one request in every mode: its question's last logits score them all.
-    -> the session's scoring step -> `ScoreBook.add` per stream -> an `Answer` when all of a
-       question's choices are in: the best choice by the question's `choice_norm`
-       (ppqa/choices.py), every choice's summed log-probability and its probability.
+    -> the session's scoring step -> `ScoreBook.add` per stream -> the question's answers
+       when all its choices are in: the best choice by the question's `choice_norm`
+       (ppqa/choices.py), every choice's summed log-probability and its probability; or, for
+       a question of N samples, N answers whose choices are drawn from that one scoring at
+       the question's temperature (`choices.draw_choices`, seeded per sample).
 Every mode computes each choice's log-probability from the same tokens at the same positions,
-so they agree to float rounding.
+so they agree to float rounding (and so do the draws, but for a uniform that lands within
+rounding of a boundary between two choices).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ppqa.choices import choice_probabilities, normalise
+from ppqa.choices import choice_probabilities, draw_choices, normalise
 from ppqa.engine.loading.tokenizer import ChoiceTokens
 from ppqa.engine.outputs import Answer, QuestionRequest
 from ppqa.engine.runtime.request import Stream
@@ -54,6 +57,7 @@ class _Pending:
     logprobs: list[float | None]
     prefill_s: float = 0.0
     prompt_tokens: int = 0
+    seed: int = 0  # the question's seed: its samples' draws (unused for one answer)
 
 
 @dataclass
@@ -62,9 +66,10 @@ class ScoreBook:
 
     pending: dict[int, tuple[QuestionRequest, _Pending]] = field(default_factory=dict)
 
-    def expect(self, req: QuestionRequest, choices: ChoiceTokens, prompt_tokens: int) -> None:
+    def expect(self, req: QuestionRequest, choices: ChoiceTokens, prompt_tokens: int,
+               seed: int = 0) -> None:
         self.pending[id(req)] = (req, _Pending(choices, [None] * len(choices.ids),
-                                               prompt_tokens=prompt_tokens))
+                                               prompt_tokens=prompt_tokens, seed=seed))
 
     def drop(self, doomed) -> None:
         """Forget the questions that `doomed(request)` picks (cancelled)."""
@@ -72,28 +77,37 @@ class ScoreBook:
             del self.pending[key]
 
     def add(self, stream: Stream, logprobs: list[float], *, mode: str, latency_s: float
-            ) -> Answer | None:
-        """Record a scored stream; the question's Answer once every choice is scored."""
+            ) -> list[Answer]:
+        """Record a scored stream; the question's answers (one per sample) once every choice
+        is scored, else none."""
         entry = self.pending.get(id(stream.key))
         if entry is None:
-            return None
+            return []
         req, pending = entry
         for i, lp in zip(stream.choice_index, logprobs):
             pending.logprobs[i] = lp
         pending.prefill_s += stream.prefill_s
         if any(lp is None for lp in pending.logprobs):
-            return None
+            return []
         del self.pending[id(stream.key)]
-        return _answer(req, pending, mode, latency_s)
+        return _answers(req, pending, mode, latency_s)
 
 
-def _answer(req: QuestionRequest, pending: _Pending, mode: str, latency_s: float) -> Answer:
+def _answers(req: QuestionRequest, pending: _Pending, mode: str, latency_s: float
+             ) -> list[Answer]:
+    """The best choice, or a drawn one per sample; each with every choice's scores. The
+    samples share the one scoring, so each is charged its share of the prefill."""
     choices, labels = pending.choices, req.choices
     logprobs = [float(lp) for lp in pending.logprobs]
     scores = [normalise(lp, len(ids), len(text), req.choice_norm)
               for lp, ids, text in zip(logprobs, choices.ids, choices.texts)]
-    best = max(range(len(scores)), key=scores.__getitem__)  # the first of equal scores
-    return Answer(labels[best], list(choices.ids[best]), "choice", pending.prompt_tokens,
-                  latency_s=latency_s, mode=mode, streams=1, prefill_s=pending.prefill_s,
-                  choice=labels[best], choices=list(labels), choice_logprobs=logprobs,
-                  choice_probs=choice_probabilities(scores))
+    probs = choice_probabilities(scores)
+    if req.samples == 1:
+        picks = [max(range(len(scores)), key=scores.__getitem__)]  # the first of equal scores
+    else:
+        picks = draw_choices(scores, req.sampling.temperature, pending.seed, req.samples)
+    return [Answer(labels[c], list(choices.ids[c]), "choice", pending.prompt_tokens,
+                   latency_s=latency_s, mode=mode, streams=1,
+                   prefill_s=pending.prefill_s / len(picks), sample=s, choice=labels[c],
+                   choices=list(labels), choice_logprobs=logprobs, choice_probs=probs)
+            for s, c in enumerate(picks)]

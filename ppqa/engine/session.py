@@ -267,9 +267,8 @@ class EngineSession:
             stream.finish_reason = "choice"
             if stream.cancelled:
                 continue
-            answer = self._scores.add(stream, per_stream[id(stream)], mode=req.mode,
-                                      latency_s=now - self.started)
-            if answer is not None:
+            for answer in self._scores.add(stream, per_stream[id(stream)], mode=req.mode,
+                                           latency_s=now - self.started):
                 self._deliver(stream.key, answer)
 
     def _question_steps(self, ready: list[Request]) -> list[PlannedStep]:

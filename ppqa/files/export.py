@@ -11,7 +11,8 @@ OWASP advises. JSON and JSONL keep every value exactly; the answers of a job wit
 schema are written there as the JSON values they are (in CSV, as their JSON text). When any row
 is a question with choices, the CSV gains the store's CHOICE_COLUMNS, `choice_scores` as compact
 JSON text (one fixed set of columns whatever the labels; the README says why); when any is a
-job of several samples, a `sample` column.
+job of several samples, a `sample` column; when any is a question with choices in such a job,
+its question's `vote` and `vote_share` (store/export.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import IO
 
 from ppqa.store.errors import InputError, OutputError
-from ppqa.store.export import CHOICE_COLUMNS, EXPORT_COLUMNS, SAMPLE_COLUMN, JsonAnswer
+from ppqa.store.export import (CHOICE_COLUMNS, EXPORT_COLUMNS, SAMPLE_COLUMN, VOTE_COLUMNS,
+                               JsonAnswer)
 
 EXPORT_FORMATS = ("csv", "jsonl", "json")
 # The OpenAI Batch output format (ppqa.openai.batch_out), only by name: its files end in .jsonl.
@@ -90,10 +92,12 @@ def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
             columns += CHOICE_COLUMNS
         if any(SAMPLE_COLUMN in row for row in rows):
             columns += (SAMPLE_COLUMN,)
-        optional = (*CHOICE_COLUMNS, SAMPLE_COLUMN)
+        if any(VOTE_COLUMNS[0] in row for row in rows):
+            columns += VOTE_COLUMNS
+        optional = (*CHOICE_COLUMNS, SAMPLE_COLUMN, *VOTE_COLUMNS)
         writer.writerow(columns)
         for row in rows:
-            # A mixed export: rows of questions without choices have no choice fields.
+            # A mixed export: rows of questions without choices (or samples) lack those fields.
             writer.writerow([csv_cell(_flat(row.get(c) if c in optional else row[c]))
                              for c in columns])
     elif fmt == "jsonl":

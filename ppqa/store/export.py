@@ -4,14 +4,20 @@ Finished jobs by default, chosen jobs with `job_ids`, every job with `include_al
 not answered yet has an empty answer; a schema job's answers are `JsonAnswer` texts. A question
 with choices also gets CHOICE_COLUMNS: the chosen label, its probability and log-probability,
 and every choice's scores ([{"choice", "logprob", "prob"}], in the question's order). A job of
-several samples per question has a row per answered sample, with its `sample` (0, 1, ...).
+several samples per question has a row per answered sample, with its `sample` (0, 1, ...); in
+it, each row of a question with choices also has VOTE_COLUMNS (`add_votes`): the choice drawn
+most often among the question's answered samples and its share of them (ties: the higher
+probability, then the choice listed first; ppqa/choices.py `vote`), empty while it has none.
 `ppqa.files.export` writes them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import select
 
+from ppqa.choices import vote
 from ppqa.store.db import Database
 from ppqa.store.errors import StoreError
 from ppqa.store.models import DONE, Answer, Document, Job, Question, Report
@@ -21,6 +27,7 @@ EXPORT_COLUMNS = ("job", "document", "question_id", "question", "answer", "finis
                   "tokens", "model", "mode", "finished_at")
 CHOICE_COLUMNS = ("choice", "choice_prob", "choice_logprob", "choice_scores")
 SAMPLE_COLUMN = "sample"
+VOTE_COLUMNS = ("vote", "vote_share")
 
 
 class JsonAnswer(str):
@@ -50,15 +57,15 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
                 .where(Report.job_id.in_(list(jobs))).order_by(Report.id)):
             ran[job_id] = (model, mode)
         rows = conn.execute(
-            select(Question.job_id, Document.name, Question.custom_id, Question.text,
-                   Answer.text.label("answer"), Answer.finish_reason, Answer.token_count,
-                   Answer.created_at, Question.choices, Answer.choice, Answer.choice_scores,
-                   Answer.sample)
+            select(Question.job_id, Question.id, Document.name, Question.custom_id,
+                   Question.text, Answer.text.label("answer"), Answer.finish_reason,
+                   Answer.token_count, Answer.created_at, Question.choices, Answer.choice,
+                   Answer.choice_scores, Answer.sample)
             .join(Job, Job.id == Question.job_id).join(Document, Document.id == Job.document_id)
             .outerjoin(Answer, Answer.question_id == Question.id)
             .where(Question.job_id.in_(list(jobs)))
             .order_by(Question.job_id, Question.position, Answer.sample)).all()
-    out = []
+    out, voted = [], []
     for r in rows:
         params = jobs[r.job_id] or {}
         model, mode = ran.get(r.job_id, (params.get("model"), params.get("mode")))
@@ -73,8 +80,26 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
             row.update(_choice_fields(r.choice, r.choice_scores))
         if params.get("samples", 1) > 1:
             row[SAMPLE_COLUMN] = r.sample
+            if r.choices is not None:
+                voted.append((r.id, row))
         out.append(row)
+    add_votes(voted, label="choice")
     return out
+
+
+def add_votes(rows: Sequence[tuple[int, dict]], *, label: str) -> None:
+    """Give each (question id, row) of a question with choices and several samples the
+    VOTE_COLUMNS over its question's answered rows, whose drawn label is `row[label]` (None
+    while the question has no answer). Shared with `ppqa show` (store/views.py)."""
+    answered: dict[int, list[dict]] = {}
+    for question_id, row in rows:
+        row.update(dict.fromkeys(VOTE_COLUMNS))
+        if row.get("choice_scores"):
+            answered.setdefault(question_id, []).append(row)
+    for group in answered.values():
+        chosen, share = vote([row[label] for row in group], group[0]["choice_scores"])
+        for row in group:
+            row.update(zip(VOTE_COLUMNS, (chosen, share)))
 
 
 def _choice_fields(choice: str | None, scores: list[dict] | None) -> dict:

@@ -52,12 +52,6 @@ class IngestRequest:
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise InputError(self._at(f"priority must be from {-MAX_PRIORITY} to {MAX_PRIORITY}, "
                                       f"got {self.priority}"))
-        if self.params.samples > 1:
-            chosen = next((q for q in self.questions if q.choices is not None), None)
-            if chosen is not None:
-                raise InputError(f"{chosen.where}: samples apply to generated answers; a "
-                                 "question with choices is scored once (its log-probabilities "
-                                 "do not vary)")
 
     def _at(self, message: str) -> str:
         return f"{self.where}: {message}" if self.where else message

@@ -36,7 +36,8 @@ class GenerationParams:
     # How the choices of questions that have them are compared (ppqa/choices.py).
     choice_norm: str = "none"
     # Answers drawn per question, each from its own seed (`config.sample_seed`); more than one
-    # needs a temperature above 0.
+    # needs a temperature above 0. A question with choices is scored once and its samples
+    # drawn from its choices' probabilities at the temperature (ppqa/choices.py).
     samples: int = 1
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ from ppqa.store.db import Database
 from ppqa.store.reports import list_reports
 from ppqa.store.timefmt import iso
 from ppqa.store.errors import StoreError
+from ppqa.store.export import add_votes
 from ppqa.store.jobs import answered_counts
 from ppqa.store.queue import answer_count
 from ppqa.store.models import JOB_STATUSES, Answer, Document, Job, Question
@@ -79,7 +80,8 @@ def list_jobs(db: Database, status: str | None = None, limit: int | None = None)
 
 
 def job_detail(db: Database, job_id: int) -> dict:
-    """One job with its questions, the answers so far and its speed reports."""
+    """One job with its questions, the answers so far and its speed reports; in a job of
+    several samples, a row per sample, and for a question with choices its vote (export's)."""
     with db.read() as conn:
         row = conn.execute(select(*_JOB_COLUMNS).join(Document, Document.id == Job.document_id)
                            .where(Job.id == job_id)).first()
@@ -104,5 +106,8 @@ def job_detail(db: Database, job_id: int) -> dict:
                                           "choice_scores": q.choice_scores}),
          **({} if samples == 1 else {"sample": q.sample})}
         for q in questions]
+    if samples > 1:
+        add_votes([(q.id, row) for q, row in zip(questions, detail["questions_detail"])
+                   if q.choices is not None], label="answer")
     detail["reports"] = list_reports(db, job_id)
     return detail

@@ -45,6 +45,8 @@ from ppqa.worker.setup import default_worker_id
 # An engine that fails this many times in a row is broken, not unlucky: stop the worker rather
 # than burn through the queue failing every job. Each failure halves the in-flight limits first.
 MAX_ENGINE_CRASHES = 3
+# The sample of a request that answers every sample of its question (a question with choices).
+ALL_SAMPLES = -1
 
 
 @dataclass
@@ -151,10 +153,18 @@ class Worker:
         return self.engine.session(on_answer=self._on_answer, on_error=self._on_error)
 
     # A request's key: (job id, (question id, sample)); the second part is what JobRun tracks.
+    # The one request of a question with choices and several samples has sample ALL_SAMPLES:
+    # each of its answers says which sample it is (see `_requests`).
     def _on_answer(self, req, answer) -> None:
         run = self._runs.get(req.key[0])
-        if run is not None and not run.lost:  # a cancelled job's late answers are not wanted
-            self._answers.append((run, req.key[1], answer))
+        if run is None or run.lost:  # a cancelled job's late answers are not wanted
+            return
+        question_id, sample = req.key[1]
+        if sample == ALL_SAMPLES:
+            sample = answer.sample
+            if (question_id, sample) not in run.pending:  # stored before; drawn the same again
+                return
+        self._answers.append((run, (question_id, sample), answer))
 
     def _on_error(self, req, exc) -> None:
         run = self._runs.get(req.key[0])
@@ -162,7 +172,11 @@ class Worker:
             return
         # The session rejects a question for its own inputs (a prompt that cannot fit, a
         # template that fails to render): the same inputs fail the same way on a retry.
-        run.reject(req.key[1], str(exc) or type(exc).__name__, permanent=True)
+        question_id, sample = req.key[1]
+        wanted = ([w for w in run.outstanding if w[0] == question_id] if sample == ALL_SAMPLES
+                  else [req.key[1]])
+        for w in wanted:
+            run.reject(w, str(exc) or type(exc).__name__, permanent=True)
 
     # ---- claiming ----------------------------------------------------------------------------
 
@@ -206,29 +220,19 @@ class Worker:
     def _start(self, claims: list[ClaimedJob]) -> None:
         """Hand claimed jobs to the session: the jobs of one mode in one submit, so that the
         questions of several jobs about one document form one group."""
-        from ppqa.engine.outputs import QuestionRequest
-
         self.progress.claimed(claims)
         by_mode: dict[str, list] = {}
         for claim in claims:
             run = self._runs[claim.job_id] = JobRun(claim, started_at=time.perf_counter())
             self._leases.add([claim.job_id])
             try:
-                sampling = _sampling(claim)
+                requests = _requests(claim, _sampling(claim))
             except Exception as exc:  # noqa: BLE001 - one job's bad parameters fail it alone
                 for wanted in list(run.pending):
                     run.reject(wanted, f"{type(exc).__name__}: {exc}", permanent=True)
                 continue
             mode = self.options.mode if self.options.mode != "auto" else claim.params.mode
-            # Each missing sample is a question of its own, seeded as the engine seeds sample
-            # s of a question (config.sample_seed), so a resumed job draws what it would have.
-            by_mode.setdefault(mode, []).extend(
-                QuestionRequest(key=(claim.job_id, (q.id, s)), document=claim.document_text,
-                                question=q.text, template=claim.params.template,
-                                sampling=replace(sampling, seed=sample_seed(sampling.seed, s)),
-                                template_source=claim.template_source, choices=q.choices,
-                                choice_norm=claim.params.choice_norm)
-                for q in claim.questions for s in q.samples)
+            by_mode.setdefault(mode, []).extend(requests)
         for mode, requests in by_mode.items():
             try:
                 self._session.submit(requests, mode=mode, streams=self.options.streams)
@@ -342,6 +346,31 @@ class Worker:
         self._write_and_settle()
         for run in list(self._runs.values()):
             self._settle(run, released_ok=True)
+
+
+def _requests(claim: ClaimedJob, sampling) -> list:
+    """The engine requests of a claimed job's missing answers. Each missing sample is a
+    question of its own, seeded as the engine seeds sample s of a question
+    (config.sample_seed), so a resumed job draws what it would have; but a question with
+    choices and several samples is one request for all of them, scored once and its samples
+    drawn from that scoring (those stored already are drawn again, the same, and dropped)."""
+    from ppqa.engine.outputs import QuestionRequest
+
+    common = {"document": claim.document_text, "template": claim.params.template,
+              "template_source": claim.template_source,
+              "choice_norm": claim.params.choice_norm}
+    out = []
+    for q in claim.questions:
+        if q.choices is not None and claim.params.samples > 1:
+            out.append(QuestionRequest(key=(claim.job_id, (q.id, ALL_SAMPLES)), question=q.text,
+                                       sampling=sampling, choices=q.choices,
+                                       samples=claim.params.samples, **common))
+            continue
+        out.extend(QuestionRequest(key=(claim.job_id, (q.id, s)), question=q.text,
+                                   sampling=replace(sampling, seed=sample_seed(sampling.seed, s)),
+                                   choices=q.choices, **common)
+                   for s in q.samples)
+    return out
 
 
 def _sampling(claim: ClaimedJob):
