@@ -323,12 +323,12 @@ def main() -> None:
     if args.lib_path:
         sys.path.insert(0, args.lib_path)
     from ppqa.engine.loading import model_cache
-    from ppqa.engine.loading.bpe import bpe_tokenizer
+    from ppqa.engine.loading.bpe import bpe_tokenizer, transformers_tokenizer
 
     root = Path(args.models_root) if args.models_root else None
     model_cache.ensure("smollm2", root=root)
     tokenizer = bpe_tokenizer(root)
-    hf, vocab, eos = tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids
+    hf, vocab, eos = transformers_tokenizer(root), tokenizer.vocab_size, tokenizer.eos_token_ids
     result = {"what": "grammar mask cost per decode step and schema coverage",
               "commit": _commit(), "python": platform.python_version(),
               "torch": torch.__version__, "cpus": os.cpu_count(), "vocab": vocab,

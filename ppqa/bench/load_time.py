@@ -86,7 +86,7 @@ def write_hf_folder(spec: str, folder: Path, *, device: str = "cpu",
         weight_map.update({n: final for n in shard})
     (folder / INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=1))
-    loaded.tokenizer.hf.save_pretrained(str(folder))
+    loaded.tokenizer.save_pretrained(str(folder))
     (folder / "config.json").write_text(json.dumps(hf_config_json(loaded.config, dtype), indent=1))
     seconds = time.perf_counter() - t0
     return {"spec": spec, "folder": str(folder), "bytes": sum(sizes), "shards": total,

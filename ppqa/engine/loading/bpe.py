@@ -8,7 +8,8 @@ random model emits decodes to text, so comparing answers across modes compares r
 The tokenizer comes from the embedded SmolLM2 GGUF in the model cache (`model_cache.ensure`, so
 it works offline once the file is there). Building it from GGUF metadata takes ~5 s (transformers
 rebuilds the vocabulary in Python) and needs the `gguf` package; the result is saved once as a
-`tokenizer.json` folder beside the GGUF file and later loads in ~0.3 s, without `gguf`.
+`tokenizer.json` folder beside the GGUF file, which later loads with the `tokenizers` library
+alone (json_tokenizer.py) in ~0.1 s, without `gguf` or `transformers`.
 """
 
 from __future__ import annotations
@@ -32,20 +33,30 @@ def tokenizer_dir(root: Path | None = None) -> Path:
 
 
 def bpe_tokenizer(root: Path | None = None):
-    """SmolLM2's tokenizer as an `HFTokenizer` (the saved folder if present, else built from the
-    GGUF and saved)."""
+    """SmolLM2's tokenizer: the saved folder as a `JsonTokenizer` (no `transformers` import),
+    else built from the GGUF by `transformers`, saved, and read back from the folder."""
     from ppqa.engine.loading.tokenizer import HFTokenizer
+
+    from ppqa.engine.loading.json_tokenizer import JsonTokenizer
 
     saved = tokenizer_dir(root)
     if (saved / "tokenizer.json").is_file():
         try:
-            return HFTokenizer(_load_saved(saved))
-        except Exception as e:  # noqa: BLE001 -- transformers raises many kinds on a bad folder
+            return JsonTokenizer(saved)
+        except Exception as e:  # noqa: BLE001 -- the tokenizers library raises many kinds
             raise ModelLoadError(f"cannot load the saved {BPE_MODEL} tokenizer in {saved} "
                                  f"(delete the folder to rebuild it): {type(e).__name__}: {e}") from e
     hf = _build_from_gguf(saved, root)
     _save(hf, saved)
-    return HFTokenizer(hf)
+    return JsonTokenizer(saved) if (saved / "tokenizer.json").is_file() else HFTokenizer(hf)
+
+
+def transformers_tokenizer(root: Path | None = None):
+    """The saved tokenizer as a `transformers` object, for tools that need one (the grammar
+    libraries' converters in benchmarks/grammar_mask.py, the tests that compare against it);
+    built first as `bpe_tokenizer` builds it."""
+    bpe_tokenizer(root)
+    return _load_saved(tokenizer_dir(root))
 
 
 def _load_saved(saved: Path):
@@ -75,14 +86,20 @@ _PROBE = "Read the document.\n\nDocument:\n  Caf\u00e9 2024 -- 12,345 \u6771\u4e
 
 
 def _save(hf, saved: Path) -> None:
-    """Save `hf` as `saved` if the saved copy tokenizes the probe as `hf` does (else keep none:
-    every load then builds from the GGUF, slowly but right)."""
+    """Save `hf` as `saved` if the saved copy, read back as later loads read it (a
+    JsonTokenizer), tokenizes the probe and renders a chat as `hf` does (else keep none: every
+    load then builds from the GGUF, slowly but right)."""
+    from ppqa.engine.loading.json_tokenizer import JsonTokenizer
+
     tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
     try:
         hf.save_pretrained(str(tmp))
-        again = _load_saved(tmp)
-        if again.encode(_PROBE, add_special_tokens=False) != hf.encode(_PROBE, add_special_tokens=False) \
-                or again.chat_template != hf.chat_template or len(again) != len(hf):
+        again = JsonTokenizer(tmp)
+        chat = [{"role": "user", "content": _PROBE}]
+        if again.encode(_PROBE) != hf.encode(_PROBE, add_special_tokens=False) \
+                or again.chat_template != hf.chat_template or again.vocab_size != len(hf) \
+                or (hf.chat_template and again.render_messages(chat) != hf.apply_chat_template(
+                    chat, tokenize=False, add_generation_prompt=True)):
             return
         try:
             os.replace(tmp, saved)  # atomic: a concurrent builder's folder wins, equal anyway

@@ -17,9 +17,11 @@ the question's tokens stay the same for every choice (they are shared, see engin
 then the scored tokens are not exactly those of the joined text, which only matters for
 templates that end the prompt in the middle of a word.
 
-Two tokenizers: `HFTokenizer` wraps a `transformers` tokenizer (built by `loader.py` from an
-HF directory or GGUF metadata, never from the hub); `ByteTokenizer` is the file-free tokenizer of the
-`dummy:` models (UTF-8 bytes plus BOS/EOS).
+Three tokenizers: `HFTokenizer` wraps a `transformers` tokenizer (built by `loader.py` from an
+HF directory or GGUF metadata, never from the hub); `json_tokenizer.JsonTokenizer` reads a saved
+folder with the `tokenizers` library alone (the `+bpe` tokenizer: no `transformers` import at
+start-up); `ByteTokenizer` is the file-free tokenizer of the `dummy:` models (UTF-8 bytes plus
+BOS/EOS).
 """
 
 from __future__ import annotations
@@ -217,12 +219,8 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
-        text = self.hf.decode(ids, skip_special_tokens=True)
-        # A last token that alone decodes to a replacement character holds the first bytes of
-        # a character the answer stopped before: drop that character, keep the rest.
-        if text.endswith(_REPLACEMENT) and self.hf.decode(ids[-1:]).endswith(_REPLACEMENT):
-            return text[:-1]
-        return text
+        return drop_cut_character(self.hf.decode(ids, skip_special_tokens=True),
+                                  lambda: self.hf.decode(ids[-1:]))
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -230,12 +228,25 @@ class HFTokenizer(Tokenizer):
         # 2-byte character, SentencePiece a space as 3 bytes), which is safe for a bound.
         return max((len(t.encode("utf-8")) for t in self.hf.get_vocab()), default=1) or 1
 
+    def save_pretrained(self, folder: str) -> None:
+        """Write the tokenizer's files into `folder` (a Hugging Face model folder)."""
+        self.hf.save_pretrained(str(folder))
+
     def render_messages(self, messages: Sequence[Mapping[str, str]], *,
                         add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise NotImplementedError("this tokenizer has no chat template")
         return self.hf.apply_chat_template([dict(m) for m in messages], tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
+
+
+def drop_cut_character(text: str, last_token_text) -> str:
+    """`text` without its last character when that is a replacement character which the last
+    token alone decodes to (`last_token_text()`): the first bytes of a character the answer
+    stopped before. A replacement character the text really holds stays."""
+    if text.endswith(_REPLACEMENT) and last_token_text().endswith(_REPLACEMENT):
+        return text[:-1]
+    return text
 
 
 class ByteTokenizer(Tokenizer):

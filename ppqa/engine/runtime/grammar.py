@@ -108,12 +108,16 @@ def accept_token(matcher, token: int) -> bool:
 
 
 def _library_tokenizer(tokenizer, vocab_size: int):
-    """llguidance's view of the engine's tokenizer: a Hugging Face one through its own
-    converter; the dummy models' byte tokenizer as 256 one-byte tokens and special ids."""
+    """llguidance's view of the engine's tokenizer: a saved tokenizer.json as it is, a
+    Hugging Face one through the library's converter; the dummy models' byte tokenizer as 256
+    one-byte tokens and special ids."""
     import llguidance
 
     hf = getattr(tokenizer, "hf", None)
     eos = list(tokenizer.eos_token_ids)
+    backend = getattr(tokenizer, "backend", None)  # json_tokenizer.JsonTokenizer's
+    if backend is not None:
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
     if hf is not None:
         import llguidance.hf
         return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)

@@ -1,0 +1,123 @@
+"""A tokenizer read straight from a saved Hugging Face folder, without `transformers`.
+
+`JsonTokenizer` loads `tokenizer.json` with the `tokenizers` library (the Rust tokenizer that
+`transformers`' fast tokenizers wrap), its special tokens and chat template from
+`tokenizer_config.json` (or `chat_template.jinja`), and renders the chat template with Jinja2
+the way `transformers` does (a sandbox, `trim_blocks` and `lstrip_blocks`, `raise_exception`,
+`strftime_now` and a `tojson` that keeps non-ASCII text). Importing `transformers` costs a
+worker 1-3 s at start-up (results/h200/startup_warm_helpers.json: 2.8 s of a 6.7 s `Engine()`),
+so the folders ppqa saves itself (the `+bpe` tokenizer, engine/loading/bpe.py) load this way;
+tests/test_json_tokenizer.py checks it against `transformers` on the same folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ppqa.engine.loading.tokenizer import Tokenizer, drop_cut_character
+
+FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# What transformers' clean_up_tokenization removes: spaces before punctuation and contractions.
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+class JsonTokenizer(Tokenizer):
+    """The tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        import tokenizers
+
+        self.folder = Path(folder)
+        self.backend = tokenizers.Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        config_path = self.folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.special_tokens = {name: _content(config.get(name))
+                               for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.bos_token_id = self._id(self.special_tokens["bos_token"])
+        eos = self._id(self.special_tokens["eos_token"])
+        self.eos_token_ids = [] if eos is None else [eos]
+        template_file = self.folder / "chat_template.jinja"
+        self.chat_template = (template_file.read_text() if template_file.is_file()
+                              else config.get("chat_template")) or None
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        with_specials = self.backend.encode("a", add_special_tokens=True).ids
+        self.add_bos = (self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]
+                        and self.encode("a")[:1] != [self.bos_token_id])
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        return drop_cut_character(self._decode(ids), lambda: self._decode(ids[-1:]))
+
+    def _decode(self, ids: list[int]) -> str:
+        text = self.backend.decode(ids, skip_special_tokens=True)
+        if self.clean_up_spaces:
+            for before, after in _CLEAN_UP:
+                text = text.replace(before, after)
+        return text
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        # As HFTokenizer's: vocabulary strings overstate the bytes they stand for.
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8")) for t in vocab), default=1) or 1
+
+    def render_messages(self, messages: Sequence[Mapping[str, str]], *,
+                        add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise NotImplementedError("this tokenizer has no chat template")
+        names = {k: v for k, v in self.special_tokens.items() if v is not None}
+        return _compiled(self.chat_template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            **names)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Copy the tokenizer's files into `folder` (a Hugging Face model folder)."""
+        for name in FILES:
+            if (self.folder / name).is_file():
+                shutil.copyfile(self.folder / name, Path(folder) / name)
+
+
+def _content(token) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or {"content": text}."""
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """A chat template compiled as transformers compiles one (its Jinja2 environment)."""
+    from datetime import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
