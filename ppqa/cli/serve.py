@@ -113,11 +113,20 @@ def _worker(db, model: str, gpu, device, mode: str, max_jobs: int, lease_seconds
             if outcome.status == "failed":
                 say(f"worker: job {outcome.job_id} failed: {outcome.error}")
 
+    from ppqa.engine import precompile
+
+    fields = {k: v for k, v in pool.items() if v is not None}
+    # As `ppqa run`: compile helpers where the Triton cache lacks the kernels, and a warm-up
+    # before the first request, so that no request waits for a compilation.
+    precompile.start(model, f"cuda:{gpu}" if gpu is not None else device, fields)
     try:
         device_name = resolve_device(gpu, device)
         say(f"loading {model} on {device_name} ...")
-        engine = load_engine(model, device_name, **{k: v for k, v in pool.items() if v is not None})
+        engine = load_engine(model, device_name, **fields)
+        if engine.device.type == "cuda":
+            say(f"kernels compiled and graphs captured in {engine.warmup():.1f} s")
     except SetupError as exc:
+        precompile.stop()
         fail(str(exc))
     options = WorkerOptions(model=model, device=device_name, mode=mode, max_jobs=max_jobs,
                             follow=True, lease_seconds=lease_seconds, poll_seconds=0.2)

@@ -43,7 +43,7 @@ HELPER_PHASES = (("long",), ("many",), ("few-stock", "few-cascade", "few-paralle
 # EngineConfig fields that change which kernels the warm-up meets and that a worker knows
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
-_WAIT_SECONDS = 300.0  # a helper still running after this is stopped (the worker compiles instead)
+_WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worker compiles instead)
 
 _started: list[Helper] = []  # helpers this process started and has not waited for
 last_wait: tuple[int, int, float] | None = None  # (finished well, started, seconds waited)
