@@ -175,3 +175,34 @@ def test_one_bad_group_fails_alone(tmp_path: Path) -> None:
     assert set(got) == {r.key for r in good}
     assert set(errors) == {r.key for r in bad} | {("seed", 0)}
     assert "seed" in str(errors[("seed", 0)])
+
+
+def test_auto_joins_a_document_that_cascade_already_decodes(tmp_path: Path) -> None:
+    """A worker may claim one document's jobs over several claims: auto puts the later
+    questions into the cascade group that already reads the document (one read a step for
+    all), whatever the cost model would say of the few alone; a document without a live
+    cascade group is left to the cost model. Tokens stay stock's (fp32)."""
+    eng = tiny_engine("tiny-gqa", seed=5)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(11)
+    doc, other = text(rng, 150), text(rng, 60)
+    first = _requests(rng, doc, 4, tmpl, "first")
+    for r in first:
+        r.sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    later = _requests(rng, doc, 1, tmpl, "later")
+    alone = _requests(rng, other, 1, tmpl, "alone")
+    expected = _reference(eng, first + later + alone)
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(first, mode="cascade")
+    session.step()
+    session.step()  # the first questions are decoding by cascade
+    assert session.sched.cascade_on(session.sched.running[0].doc_key)
+    session.submit(later, mode="auto")
+    session.submit(alone, mode="auto")
+    session.drain()
+    session.close()
+    assert got[later[0].key].mode == "cascade"
+    assert got[alone[0].key].mode != "cascade"  # on the CPU auto weighs stock and parallel
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key

@@ -94,9 +94,14 @@ class EngineSession:
                 accepted += len(scored)
             if not group:
                 continue
-            chosen, width = choose_plan(mode, streams, len(doc_ids), group, engine.model_config,
-                                        engine.device.type, engine.dtype.itemsize,
-                                        engine.config.default_streams)
+            if mode == "auto" and self.sched.cascade_on(document_key(doc_ids)):
+                # Questions about a document that cascade already decodes join that group
+                # (the worker may claim one document's jobs over several claims).
+                chosen, width = "cascade", 1
+            else:
+                chosen, width = choose_plan(mode, streams, len(doc_ids), group,
+                                            engine.model_config, engine.device.type,
+                                            engine.dtype.itemsize, engine.config.default_streams)
             self._modes.add(chosen)
             self.stats.streams = max(self.stats.streams, width)
             for req in self._requests(doc_ids, group, chosen, width):

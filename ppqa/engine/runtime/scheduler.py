@@ -77,6 +77,12 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def cascade_on(self, doc_key) -> bool:
+        """Whether cascade requests about the document `doc_key` are queued or running: a
+        question that joins them costs a step no second read of the document."""
+        return any(r.mode == "cascade" and r.doc_key == doc_key
+                   for r in (*self.waiting, *self.prefilling, *self.running))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
