@@ -5,7 +5,9 @@
 # serve against ingest/run, and the decode step with a JSON schema's mask against without. Each step has its own time limit; logs and JSON go to $OUT.
 # Run on a fresh machine (its Triton cache is empty), from the repo root, with `.whl` (the
 # wheels the device lacks) and `.carry` (PPQA_HOME with the saved BPE tokenizer) carried.
-# STEPS="startup pytest ..." runs a subset, in that order.
+# STEPS="startup pytest ..." runs a subset, in that order; HELPERS=1 starts compile helpers in the
+# start-up profiles (as `ppqa run` does), PROFILE=1 profiles the warm one; DEADLINE (s) bounds
+# the whole call so that the archive is always written.
 # `.whl` holds cp312 manylinux wheels of what the device image lacks (device README, Notes):
 # SQLAlchemy, greenlet, pydantic, pydantic_core, typing_extensions, typing-inspection,
 # annotated-types, gguf, platformdirs (the store and loaders); fastapi, starlette, uvicorn,
