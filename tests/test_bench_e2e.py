@@ -78,10 +78,10 @@ def test_batch_file_ingests_each_job(tmp_path):
 def test_dummy_bpe_model_has_smollm2s_tokenizer_and_vocabulary(smollm2):
     from ppqa import Engine, SamplingParams
     from ppqa.engine.loading.loader import load_model
-    from ppqa.engine.loading.tokenizer import HFTokenizer
+    from ppqa.engine.loading.json_tokenizer import JsonTokenizer
 
     loaded = load_model("dummy:tiny-gqa+bpe")
-    assert isinstance(loaded.tokenizer, HFTokenizer)
+    assert isinstance(loaded.tokenizer, JsonTokenizer)  # read without transformers
     assert loaded.config.vocab_size == loaded.tokenizer.vocab_size == 49152
     assert loaded.config.eos_token_ids == loaded.tokenizer.eos_token_ids
     assert "BPE" in loaded.source

@@ -56,7 +56,7 @@ def write_hf_folder(spec: str, folder: Path, *, device: str = "cpu",
     from ppqa.engine.loading.loader import load_model
 
     loaded = load_model(spec, device=device, dtype=dtype, seed=seed)
-    if not hasattr(loaded.tokenizer, "hf"):
+    if not hasattr(loaded.tokenizer, "save_pretrained"):
         raise ValueError(f"{spec}: an HF folder needs a real tokenizer; use a dummy:<preset>+bpe "
                          "model (SmolLM2's tokenizer is saved with the weights)")
     folder.mkdir(parents=True, exist_ok=True)
