@@ -1,6 +1,7 @@
 """Helpers the tests share: tiny CPU engines, a template that makes token counts exact, seeded
-text, the workload of the step-in-flight tests, a transformers twin of one of our models, and a
-look at what an engine's KV pool holds after a run.
+text, the workload of the step-in-flight tests, a JSON schema that a random model's answers
+complete, a transformers twin of one of our models, and a look at what an engine's KV pool
+holds after a run.
 
 Imported as `from tests.helpers import ...` (pyproject's `pythonpath = ["."]`); test files import
 from here, never from one another. Fixtures live in conftest.py and fixtures_models.py.
@@ -15,6 +16,21 @@ from pathlib import Path
 # control token counts exactly (ByteTokenizer: one token per ASCII character, plus BOS).
 PLAIN_TEMPLATE = "{% block prefix %}{{ document }}{% endblock %}{% block question %}{{ question }}{% endblock %}"
 WORDS = "the of river stone light blue seven north market paper quiet window a is on".split()
+
+
+# Bounded in every field, so even a random model's answer closes within 128 tokens: the byte
+# tokenizer spends up to 6 tokens on a character (\uXXXX), and the rest is under 70.
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["yes", "no", "unsure"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+        "ok": {"type": "boolean"},
+        "note": {"type": "string", "maxLength": 6},
+    },
+    "required": ["label", "score", "ok", "note"],
+    "additionalProperties": False,
+}
 
 
 def plain_template(tmp_path: Path) -> str:

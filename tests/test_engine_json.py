@@ -18,27 +18,14 @@ from ppqa import Engine, QuestionRequest, SamplingParams
 from ppqa.engine.outputs import InvalidRequestError
 from ppqa.engine.runtime.sampling import apply_token_bitmask
 from ppqa.json_schema import schema_text
-from tests.helpers import answers_by_key, plain_template, text, tiny_engine
+from tests.helpers import BOUNDED_SCHEMA, answers_by_key, plain_template, text, tiny_engine
 
-# Bounded in every field, so even a random model's answer closes within the budget: the byte
-# tokenizer spends up to 6 tokens on a character (\uXXXX), and the rest is under 70.
-BOUNDED = {
-    "type": "object",
-    "properties": {
-        "label": {"enum": ["yes", "no", "unsure"]},
-        "score": {"type": "integer", "minimum": 0, "maximum": 10},
-        "ok": {"type": "boolean"},
-        "note": {"type": "string", "maxLength": 6},
-    },
-    "required": ["label", "score", "ok", "note"],
-    "additionalProperties": False,
-}
 BUDGET = 128
 MODES = ("stock", "parallel", "cascade")
 
 
 def bounded(**extra) -> SamplingParams:
-    return SamplingParams(max_new_tokens=BUDGET, json_schema=schema_text(BOUNDED), **extra)
+    return SamplingParams(max_new_tokens=BUDGET, json_schema=schema_text(BOUNDED_SCHEMA), **extra)
 
 
 def test_bitmask_matches_a_per_token_reference() -> None:
@@ -66,13 +53,13 @@ def test_random_model_answers_valid_json_only_under_the_mask(tmp_path: Path) -> 
                                 streams=3 if mode == "parallel" else None) for mode in MODES}
     for answer in by_mode["stock"]:
         assert answer.finish_reason == "stop"  # the JSON completed: the answer ended there
-        jsonschema.validate(json.loads(answer.text), BOUNDED)
+        jsonschema.validate(json.loads(answer.text), BOUNDED_SCHEMA)
     for mode in MODES[1:]:
         assert [a.token_ids for a in by_mode[mode]] == [a.token_ids for a in by_mode["stock"]], mode
     sampled = eng.answer(doc, questions, mode="parallel", template=tmpl, streams=4,
                          sampling=[bounded(temperature=1.0, seed=i) for i in range(len(questions))])
     for answer in sampled:
-        jsonschema.validate(json.loads(answer.text), BOUNDED)
+        jsonschema.validate(json.loads(answer.text), BOUNDED_SCHEMA)
     assert len({a.text for a in sampled}) > 1
 
 
@@ -101,7 +88,7 @@ def test_constrained_and_free_questions_share_steps_with_or_without_the_step_in_
     assert alone == {r.key: reference[r.key] for r in free}
     for r in requests:
         if r.sampling.json_schema is not None:
-            jsonschema.validate(json.loads(reference[r.key][2]), BOUNDED)
+            jsonschema.validate(json.loads(reference[r.key][2]), BOUNDED_SCHEMA)
 
 
 def test_a_schema_the_library_cannot_compile_fails_its_own_question(tmp_path: Path) -> None:

@@ -13,9 +13,13 @@
 
 One decode step stays in flight: step t+1 is built and launched (its input tokens taken from
 step t's sampled tokens on the device) before step t's tokens are read back, so host work
-overlaps the GPU. A step that holds a stream under a grammar (a JSON answer) is read back before
-the next step is built: each stream's mask depends on the token it accepted last. That step still
-overlaps the host's mask filling with the device's forward (runtime/grammar.py).
+overlaps the GPU. A step holding streams under a grammar (JSON answers) is launched in two
+parts, because each stream's mask depends on the token it accepted last: its forward goes to
+the device first; then step t is read back and its tokens accepted (the matchers consume them,
+finished streams become answers); then the masks are filled on the host while the forward
+runs, applied to its logits, and the step samples (`_launch`; runtime/grammar.py). A stream
+that step t finished is fed once more by step t+1, whose token for it is dropped, as for any
+stream under the overlap.
 `Engine.run` and `Engine.answer` are a session that is fed once and drained; the worker keeps
 one session for its whole life and feeds it as jobs arrive. The document cache
 belongs to the engine, so a document is prefilled once per engine, whichever session asks.
@@ -292,25 +296,18 @@ class EngineSession:
     def _decode(self) -> None:
         begin = time.perf_counter()
         batches = self.sched.decode_batches()
-        for batch in batches:
-            self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(batch))
-            prev = self._in_flight
-            if prev is not None and prev.step.sampling.grammar is not None:
-                # A grammar's next mask needs the token in flight accepted: read it first.
-                self.flush()
-                prev = None
+        for i, batch in enumerate(batches):
+            if i:  # the step read back by the batch before may have finished some of these
                 batch = [r for r in batch if r.row >= 0 and r.schedulable().any()]
                 if not batch:
                     continue
+            self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(batch))
+            prev, self._in_flight = self._in_flight, None
             # Fixed shapes for CUDA graphs: B padded to a power of two with dummy requests.
             pad_to = 1 << (len(batch) - 1).bit_length() if self.engine.config.cuda_graphs else 0
             step = self.sched.decode_step(batch, pad_to=pad_to,
                                           prev=None if prev is None else prev.step)
-            launched = self._launch(step, prev)
-            self._in_flight = None
-            if prev is not None:
-                self._finish(prev)
-            self._in_flight = launched
+            self._in_flight = self._launch(step, prev)
             if not self.engine.config.overlap_steps:
                 self._flush()
         if not batches:
@@ -318,9 +315,23 @@ class EngineSession:
         self.stats.decode_s += time.perf_counter() - begin
 
     def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
+        """Run `step` and sample it; `prev` (the step in flight, whose device tokens are this
+        step's inputs) is read back and postprocessed after this step's forward is queued, so
+        the host does that while the device runs the forward. A step without grammar rows
+        samples before `prev` is read (the device samples at once); one with grammar rows after
+        (its masks need the tokens of `prev` accepted), filling them while the forward runs."""
+        launched_at = time.perf_counter()
         logits = self._parts.runner.run(step.inputs, None if prev is None else prev.tokens)
         self.stats.steps += 1
-        return _Launched(step, self._sample(logits, step), time.perf_counter())
+        if prev is None:
+            return _Launched(step, self._sample(logits, step), launched_at)
+        self.stats.overlapped_steps += 1  # launched before the step in flight was read
+        if step.sampling.grammar is not None:
+            self._finish(prev)
+            return _Launched(step, self._sample(logits, step), launched_at)
+        launched = _Launched(step, self._sample(logits, step), launched_at)
+        self._finish(prev)
+        return launched
 
     def _sample(self, logits: torch.Tensor, step: PlannedStep) -> torch.Tensor:
         return sample(logits, step.sampling)

@@ -7,7 +7,7 @@ positions.
     cascade_groups: the (first, end, doc_len, doc start) groups of requests sharing a document;
     doc_runs: each request's contiguous document run (the document hint);
     sampling_rows: the sampling parameters of a step's logit rows;
-    grammar_rows: the rows whose streams follow a JSON grammar, with their matchers.
+    grammar_rows: the rows whose streams follow a JSON grammar, with those streams.
 """
 
 from __future__ import annotations
@@ -84,12 +84,18 @@ def sampling_rows(requests: Sequence[Request], rows: list[int] | None, pad_rows:
 
 def grammar_rows(requests: Sequence[Request], bases: list[int],
                   fed: list[np.ndarray]) -> GrammarRows | None:
-    """The step's logit rows whose streams follow a grammar, with their matchers (None: none)."""
-    matchers, rows = [], []
+    """The step's logit rows whose streams follow a grammar, with those streams (None: none)."""
+    streams, rows = [], []
     for req, base, mask in zip(requests, bases, fed):
-        if req.constrained:
-            for s, stream in enumerate(req.streams):
-                if mask[s] and stream.matcher is not None:
-                    matchers.append(stream.matcher)
-                    rows.append(base + s)
-    return GrammarRows(matchers, rows) if matchers else None
+        if not req.constrained:
+            continue
+        if req.width == 1:  # stock and cascade: skip numpy on one-element arrays (hot at B=256)
+            if mask[0]:
+                streams.append(req.streams[0])
+                rows.append(base)
+            continue
+        for s in np.flatnonzero(mask[:len(req.streams)]).tolist():
+            if req.streams[s].matcher is not None:
+                streams.append(req.streams[s])
+                rows.append(base + s)
+    return GrammarRows(streams, rows) if streams else None

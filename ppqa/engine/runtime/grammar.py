@@ -1,24 +1,31 @@
 """Grammar-constrained decoding: each schema compiled once, a matcher per stream, a step's mask.
 
     SamplingParams.json_schema (text) -> `Grammars.matcher` (the session, when a question is
-        prepared): compiled once per schema text against this engine's tokenizer, a copy of
-        the compiled matcher per stream -> `Stream.matcher`
+        prepared): compiled against this engine's tokenizer once per schema text and lane (one
+        lane per mask thread), a copy of a lane's compiled matcher per stream, the lanes in
+        turn -> `Stream.matcher` (a `StreamMatcher`)
     a step's constrained rows -> `GrammarRows` (the scheduler puts it on the SamplingBatch) ->
-        `sample`: `bitmask` fills one [R, ceil(V / 32)] int32 row per constrained stream on the
-        host (the other rows allow everything), `apply_token_bitmask` masks the logits
-    the token read back -> `Request.accept` -> `matcher.consume_token`; the answer ends when
-        the matcher is stopped (nothing but EOS can follow: the JSON is complete).
+        `sample`: `bitmask` fills one [R, ceil(V / 32)] int32 row per constrained stream still
+        answering on the host, lane by lane in the library's thread pool (the other rows allow
+        everything), `apply_token_bitmask` masks the logits
+    the token read back -> `Request.accept` -> `accept_token` (`consume_token`); the answer ends
+        when the matcher is stopped (nothing but EOS can follow: the JSON is complete).
 
 The model's forward (a CUDA graph for decode steps) never sees the grammar: the mask is applied
-to the logits the runner returns, before sampling, and filled on the host while the device
-still runs the forward. A mask needs the stream's previous token accepted first, so a step
-that holds a constrained stream is not built behind a step in flight (engine/session.py).
+to the logits the runner returns, before sampling. A mask needs the stream's previous token
+accepted first, so the session splits a constrained step in two (engine/session.py): its forward
+is launched behind the step in flight, then that step is read back and its tokens consumed,
+then the masks are filled on the host while the device still runs the forward, and applied. A
+stream that the step in flight finished still has a row in the step behind it; its mask is not
+filled (the token is dropped anyway), so a step whose constrained streams all finished builds no
+bitmask at all.
 
 The library (llguidance, see ppqa/json_schema.py) is imported on the first schema only.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,31 +34,65 @@ import torch
 
 from ppqa.json_schema import grammar_for
 
-MAX_CACHED_SCHEMAS = 128  # compiled schemas an engine keeps; a job's streams share one
+MAX_CACHED_SCHEMAS = 128  # schemas an engine keeps compiled; a job's streams share them
+
+
+def mask_threads() -> int:
+    """Threads that fill a step's masks (the library's pool), and so the lanes of each schema:
+    one per CPU this process may run on, at most 32 (the library's own cap). The engine's
+    thread only waits while they work."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(1, min(32, cpus))
+
+
+@dataclass(eq=False)
+class StreamMatcher:
+    """A stream's grammar state (`Stream.matcher`): its matcher, and its lane, the compiled
+    matcher of its schema that it copies. llguidance's copies share their original's lexer
+    behind one lock that a mask holds while it is filled, so the masks of one lane are filled
+    one at a time; a schema is compiled once per mask thread (lanes, built as streams need
+    them) and `GrammarRows.bitmask` hands the pool its rows lane by lane, so that its threads
+    fill side by side."""
+
+    matcher: object  # llguidance.LLMatcher
+    lane: int
+
+
+@dataclass(eq=False)
+class _Lanes:
+    templates: list  # compiled matchers, one per lane so far
+    handed: int = 0  # matchers given out: the next one copies lane handed % lanes
 
 
 class Grammars:
     """One engine's compiled schemas: the tokenizer as the library sees it (built on first use),
-    and a pristine matcher per schema text that each stream copies."""
+    and per schema text pristine matchers (its lanes) that the streams copy in turn."""
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.lanes = mask_threads()
         self._lib_tokenizer = None
-        self._compiled: OrderedDict[str, object] = OrderedDict()  # least recently used first
+        self._compiled: OrderedDict[str, _Lanes] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # a worker's threads may prepare questions side by side
 
-    def matcher(self, schema: str):
-        """A fresh matcher for `schema` (a JSON schema's text); ValueError with one line when
-        the schema cannot be compiled for this tokenizer."""
+    def matcher(self, schema: str) -> StreamMatcher:
+        """A fresh matcher for `schema` (a JSON schema's text), on the next lane; ValueError
+        with one line when the schema cannot be compiled for this tokenizer."""
         with self._lock:
-            template = self._compiled.get(schema)
-            if template is None:
-                template = self._compiled[schema] = self._compile(schema)
+            lanes = self._compiled.get(schema)
+            if lanes is None:
+                lanes = self._compiled[schema] = _Lanes([self._compile(schema)])
                 if len(self._compiled) > MAX_CACHED_SCHEMAS:  # a long-lived worker, many jobs
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(schema)
-        return template.deep_copy()
+            lane = lanes.handed % self.lanes
+            lanes.handed += 1
+            if lane == len(lanes.templates):
+                lanes.templates.append(self._compile(schema))
+            template = lanes.templates[lane]
+        return StreamMatcher(template.deep_copy(), lane)
 
     def _compile(self, schema: str):
         import llguidance
@@ -71,17 +112,29 @@ class Grammars:
 
 @dataclass(eq=False)
 class GrammarRows:
-    """The constrained logit rows of one step: their matchers, as they stand when it samples."""
+    """The constrained logit rows of one step: the streams whose matchers mask them (runtime/
+    request.Stream), read when the step samples, not when it is built."""
 
-    matchers: list
+    streams: list
     rows: list[int]
 
-    def bitmask(self, num_rows: int, vocab_size: int) -> torch.Tensor:
-        """[num_rows, ceil(vocab_size / 32)] int32 on the host: each constrained row's allowed
-        tokens (filled by the library's thread pool), every token allowed in the others."""
+    def bitmask(self, num_rows: int, vocab_size: int, *, pin: bool = False) -> torch.Tensor | None:
+        """[num_rows, ceil(vocab_size / 32)] int32 on the host: the allowed tokens of each row
+        whose stream is still answering (filled by the library's thread pool), every token
+        allowed in the others; None when no such row is left. pin: in page-locked memory, so
+        that its copy to a GPU does not wait for the device."""
+        # Lane by lane (rows are distinct, so matchers are never compared): the pool's threads
+        # take contiguous runs of the list, so each works on a lane of its own most of the time.
+        live = sorted((s.matcher.lane, row, s.matcher.matcher)
+                      for s, row in zip(self.streams, self.rows)
+                      if s.finish_reason is None and not s.cancelled)
+        if not live:
+            return None
         words = (vocab_size + 31) // 32
-        bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
-        _executor().unsafe_compute_mask_ptr(list(zip(self.matchers, self.rows)),
+        bitmask = torch.empty((num_rows, words), dtype=torch.int32, pin_memory=pin)
+        if len(live) < num_rows:  # rows the library does not write allow everything
+            bitmask.fill_(-1)
+        _executor().unsafe_compute_mask_ptr([(matcher, row) for _, row, matcher in live],
                                             bitmask.data_ptr(), words * 4, num_rows)
         return bitmask
 
@@ -90,18 +143,19 @@ _EXECUTOR = None
 
 
 def _executor():
-    """The library's thread pool for masks, one per process (it sizes itself to the CPUs)."""
+    """The library's thread pool for masks, one per process (`mask_threads` threads)."""
     global _EXECUTOR
     if _EXECUTOR is None:
         import llguidance
-        _EXECUTOR = llguidance.LLExecutor()
+        _EXECUTOR = llguidance.LLExecutor(num_threads=mask_threads())
     return _EXECUTOR
 
 
-def accept_token(matcher, token: int) -> bool:
+def accept_token(state: StreamMatcher, token: int) -> bool:
     """Advance a stream's matcher by its sampled token; True when the grammar is complete (only
     EOS may follow). A token the mask allowed is always consumed; one it did not (impossible
     unless the mask was skipped) raises, rather than end an answer that breaks its schema."""
+    matcher = state.matcher
     if not matcher.consume_token(token):
         raise RuntimeError(f"token {token} breaks the answer's grammar: {matcher.get_error()}")
     return matcher.is_stopped()

@@ -43,7 +43,7 @@ class Stream:
     # held its document and question, and of the decode steps that fed it.
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    matcher: object | None = None  # the grammar state of a JSON answer (runtime/grammar.py)
+    matcher: object | None = None  # a JSON answer's grammar state (runtime/grammar.StreamMatcher)
     # A scoring stream (engine/runtime/scoring.py): the tokens of the choices it scores, and
     # their places among its question's choices. None: a stream that generates.
     choice_ids: list[list[int]] | None = None

@@ -11,7 +11,9 @@ to -inf first (`apply_token_bitmask`), so every sampler, greedy included, picks 
 
 Data flow: the scheduler concatenates the [P] parameter tensors of the step's requests into a
 `SamplingBatch` (with the step's constrained rows, if any); the runner's logits [R, V] and that
-batch go into `sample`, the tokens [R] go back to the scheduler.
+batch go into `sample`, the tokens [R] go back to the scheduler. Nothing here waits for the
+device: host tensors reach a GPU from page-locked memory, asynchronously, so that the engine can
+prepare the next step while this one runs (engine/session.py).
 """
 
 from __future__ import annotations
@@ -66,12 +68,20 @@ def counter_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch
     return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for it: a plain copy to a GPU from pageable
+    memory synchronizes with the device, which would stall the host behind the step in flight."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _filter_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """top_k: host tensor [R] (0 = off); keeps each row's k largest logits (and ties)."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     kmax = int(k.max())
-    kth = logits.topk(kmax, dim=-1).values.gather(1, (k - 1).view(-1, 1).to(logits.device))
+    kth = logits.topk(kmax, dim=-1).values.gather(1, _to_device(k - 1, logits.device).view(-1, 1))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -83,7 +93,7 @@ def _filter_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}  # 0..7 as uint8, per device
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -98,8 +108,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     """
     rows, vocab = logits.shape
     device = logits.device
-    packed = bitmask.to(device, non_blocking=True).contiguous().view(torch.uint8)
-    allowed = ((packed.unsqueeze(-1) >> _BIT_SHIFTS.to(device)) & 1).view(torch.bool)
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    if bitmask.device != device:
+        bitmask = bitmask.to(device, non_blocking=True)  # asynchronous from pinned memory
+    packed = bitmask.contiguous().view(torch.uint8)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).view(torch.bool)
     allowed = allowed.view(rows, -1)
     if allowed.shape[1] < vocab:
         allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], dim=1)
@@ -108,22 +123,25 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [R, V] (float32) -> token ids [R] int64 on the logits' device. Rows under a
-    grammar are masked first."""
+    grammar are masked first: their masks are filled now, from the matchers as they stand."""
     if batch.grammar is not None:
-        logits = apply_token_bitmask(logits, batch.grammar.bitmask(*logits.shape))
+        bitmask = batch.grammar.bitmask(*logits.shape, pin=logits.is_cuda)
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
     device = logits.device
     # Filters are decided from the host copies: no device synchronization.
     use_top_k, use_top_p = bool((batch.top_k > 0).any()), bool((batch.top_p < 1.0).any())
-    temperature = batch.temperature.to(device)
+    temperature = _to_device(batch.temperature, device)
     scaled = logits / temperature.clamp(min=1e-5).view(-1, 1)
     if use_top_k:
         scaled = _filter_top_k(scaled, batch.top_k)
     if use_top_p:
-        scaled = _filter_top_p(scaled, batch.top_p.to(device))
-    uniform = counter_uniform(batch.seed.to(device), batch.step.to(device), logits.shape[-1])
+        scaled = _filter_top_p(scaled, _to_device(batch.top_p, device))
+    uniform = counter_uniform(_to_device(batch.seed, device), _to_device(batch.step, device),
+                              logits.shape[-1])
     gumbel = -torch.log(-torch.log(uniform))
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
