@@ -96,7 +96,7 @@ def test_a_grammar_compiles_against_the_saved_tokenizer(pair):
     fast, _ = pair
     grammars = Grammars(fast, fast.vocab_size)
     matcher = grammars.matcher('{"type": "object", "properties": {"a": {"type": "integer"}}, '
-                               '"required": ["a"]}')
+                               '"required": ["a"]}').matcher
     for token in fast.encode('{"a": 12}'):
         assert matcher.consume_token(token)
     assert matcher.is_accepting()
