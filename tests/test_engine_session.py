@@ -14,10 +14,12 @@ from ppqa.engine.runtime.scheduler import Scheduler
 from tests.helpers import plain_template, text, tiny_engine
 
 
-def _requests(rng: random.Random, doc: str, count: int, tmpl: str, tag: str
-              ) -> list[QuestionRequest]:
+def _requests(rng: random.Random, doc: str, count: int, tmpl: str, tag: str,
+              budget: int | None = None) -> list[QuestionRequest]:
+    """`count` questions about `doc`, each with `budget` answer tokens (default: 1-10 drawn)."""
     return [QuestionRequest((tag, i), doc, text(rng, rng.randint(3, 25)),
-                            SamplingParams(max_new_tokens=rng.randint(1, 10), ignore_eos=True),
+                            SamplingParams(max_new_tokens=budget or rng.randint(1, 10),
+                                           ignore_eos=True),
                             tmpl) for i in range(count)]
 
 
@@ -125,9 +127,7 @@ def test_long_document_prefills_in_chunks_while_others_decode(tmp_path: Path) ->
     tmpl = plain_template(tmp_path)
     rng = random.Random(11)
     short, long = text(rng, 30), text(rng, 400)
-    first = _requests(rng, short, 3, tmpl, "s")
-    for r in first:
-        r.sampling = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    first = _requests(rng, short, 3, tmpl, "s", budget=20)
     second = _requests(rng, long, 3, tmpl, "l")
     # The same weights in a second engine, so that this one has no document cached yet.
     expected = _reference(tiny_engine("tiny-mha", seed=2, max_prefill_tokens=64), first + second)
@@ -186,9 +186,7 @@ def test_auto_joins_a_document_that_cascade_already_decodes(tmp_path: Path) -> N
     tmpl = plain_template(tmp_path)
     rng = random.Random(11)
     doc, other = text(rng, 150), text(rng, 60)
-    first = _requests(rng, doc, 4, tmpl, "first")
-    for r in first:
-        r.sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    first = _requests(rng, doc, 4, tmpl, "first", budget=12)
     later = _requests(rng, doc, 1, tmpl, "later")
     alone = _requests(rng, other, 1, tmpl, "alone")
     expected = _reference(eng, first + later + alone)
