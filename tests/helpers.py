@@ -9,6 +9,7 @@ from here, never from one another. Fixtures live in conftest.py and fixtures_mod
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -31,6 +32,15 @@ BOUNDED_SCHEMA = {
     "required": ["label", "score", "ok", "note"],
     "additionalProperties": False,
 }
+
+
+def parses_as_json(text: str) -> bool:
+    """Whether `text` is a JSON document."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def plain_template(tmp_path: Path) -> str:

@@ -18,7 +18,8 @@ from ppqa import Engine, QuestionRequest, SamplingParams
 from ppqa.engine.outputs import InvalidRequestError
 from ppqa.engine.runtime.sampling import apply_token_bitmask
 from ppqa.json_schema import schema_text
-from tests.helpers import BOUNDED_SCHEMA, answers_by_key, plain_template, text, tiny_engine
+from tests.helpers import (BOUNDED_SCHEMA, answers_by_key, parses_as_json, plain_template, text,
+                           tiny_engine)
 
 BUDGET = 128
 MODES = ("stock", "parallel", "cascade")
@@ -48,7 +49,7 @@ def test_random_model_answers_valid_json_only_under_the_mask(tmp_path: Path) -> 
     questions = [text(rng, rng.randint(4, 20)) for _ in range(6)]
     free = eng.answer(doc, questions, mode="stock", template=tmpl,
                       sampling=SamplingParams(max_new_tokens=32))
-    assert not any(_parses(a.text) for a in free)  # the random model alone never writes JSON
+    assert not any(parses_as_json(a.text) for a in free)  # the random model alone never writes JSON
     by_mode = {mode: eng.answer(doc, questions, mode=mode, template=tmpl, sampling=bounded(),
                                 streams=3 if mode == "parallel" else None) for mode in MODES}
     for answer in by_mode["stock"]:
@@ -142,10 +143,3 @@ def test_smollm2_answers_in_json_that_validates_identically_in_every_mode(smollm
     for mode in MODES[1:]:
         assert [a.token_ids for a in by_mode[mode]] == [a.token_ids for a in by_mode["stock"]], mode
 
-
-def _parses(answer: str) -> bool:
-    try:
-        json.loads(answer)
-    except ValueError:
-        return False
-    return True

@@ -14,7 +14,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.helpers import cli_runner
+from tests.helpers import cli_runner, parses_as_json
 from ppqa.store.errors import InputError
 from ppqa.store.params import GenerationParams
 from tests.openai_fixtures import FERRY, MODEL, batch_file, chat_body
@@ -123,12 +123,5 @@ def test_openai_batch_response_format_answers_in_json(cli, tmp_path) -> None:
     jsonschema.validate(json.loads(contents["schema"]["message"]["content"]), SCHEMA)
     assert contents["object"]["finish_reason"] == "stop"
     assert isinstance(json.loads(contents["object"]["message"]["content"]), dict)
-    assert not _parses(contents["text"]["message"]["content"])  # free text stays free
+    assert not parses_as_json(contents["text"]["message"]["content"])  # free text stays free
 
-
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True

@@ -113,6 +113,7 @@ def run(
         "--json", help="At the end, print a JSON summary of every job this worker ran on "
                        "stdout (progress stays on stderr).")] = False,
 ) -> None:
+    from ppqa.engine import precompile  # no torch: helpers start before it loads
     from ppqa.worker.loop import Worker, WorkerError, WorkerOptions
     from ppqa.store.queue import has_claimable, waiting_questions
     from ppqa.worker.report import WorkerSummary
@@ -159,8 +160,6 @@ def run(
             return _run_pool(db, model, children, json_out)
         split = groups is not None and len(groups[0]) > 1  # tensor parallelism
         if not split:  # on a GPU whose Triton cache lacks the kernels: compile in parallel
-            from ppqa.engine import precompile
-
             precompile.start(model, groups[0][0] if groups else
                              f"cuda:{gpu}" if gpu is not None else device, pool)
         device_name = ("+".join(groups[0]) if split else
@@ -175,12 +174,8 @@ def run(
         built = time.perf_counter()
         warm = engine.warmup() if engine.device.type == "cuda" else 0.0
     except SetupError as exc:
-        from ppqa.engine import precompile
-
         precompile.stop()
         fail(str(exc))
-    from ppqa.engine import precompile
-
     age = process_age()
     helped = precompile.last_wait
     say((f"ready after {age:.1f} s: " if age is not None else "ready: ")

@@ -161,14 +161,7 @@ def _json_lines(text: str, label: str):
     for lineno, line in enumerate(split_lines(text), start=1):
         if not line.strip():
             continue
-        where = f"{label}:{lineno}"
-        try:
-            value = strict_json(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
-        except ValueError as exc:
-            raise InputError(f"{where}: invalid JSON ({exc})")
-        yield where, value
+        yield f"{label}:{lineno}", _parse_json(line, label, lineno)
 
 
 def strict_json(line: str):
@@ -310,12 +303,7 @@ def read_json_schema(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> dict
 
     label = "<stdin>" if str(path) == "-" else str(path)
     text = read_text(path, "JSON schema", max_bytes)
-    try:
-        schema = strict_json(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{label}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})")
-    except ValueError as exc:
-        raise InputError(f"{label}: invalid JSON ({exc})")
+    schema = _parse_json(text, label)
     try:
         check_json_schema(schema)
     except ValueError as exc:
@@ -391,3 +379,15 @@ def read_batch(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[Batch
     if not items:
         raise InputError(f"{label}: no documents found")
     return items
+
+
+def _parse_json(text: str, label: str, lineno: int | None = None):
+    """strict_json(text), or InputError naming `label` and the line: `lineno` when the text is
+    one line of a file, else the line the parser stopped at."""
+    try:
+        return strict_json(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{label}:{lineno or exc.lineno}: invalid JSON "
+                         f"({exc.msg} at column {exc.colno})")
+    except ValueError as exc:
+        raise InputError(f"{label}{f':{lineno}' if lineno else ''}: invalid JSON ({exc})")
