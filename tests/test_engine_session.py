@@ -204,3 +204,25 @@ def test_auto_joins_a_document_that_cascade_already_decodes(tmp_path: Path) -> N
     assert got[alone[0].key].mode != "cascade"  # on the CPU auto weighs stock and parallel
     for key, answer in expected.items():
         assert got[key].token_ids == answer.token_ids, key
+
+
+def test_time_charged_to_answers_fits_in_the_session(tmp_path: Path) -> None:
+    """Prefill chunks run while a decode step is in flight: the answers' prefill and decode
+    seconds are each charged once, so together they never exceed the session's wall time."""
+    import time
+
+    eng = tiny_engine("tiny-mha", seed=2, max_prefill_tokens=64)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(5)
+    got: dict[object, Answer] = {}
+    began = time.perf_counter()
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(_requests(rng, text(rng, 30), 4, tmpl, "s", budget=40), mode="stock")
+    session.step()
+    session.submit(_requests(rng, text(rng, 1500), 2, tmpl, "l", budget=2), mode="stock")
+    session.drain()
+    session.close()
+    wall = time.perf_counter() - began
+    charged = sum(a.prefill_s + a.decode_s for a in got.values())
+    assert len(got) == 6 and all(a.decode_s > 0 for a in got.values())
+    assert 0 < charged <= wall

@@ -66,7 +66,10 @@ class EngineSession:
         self.stats = RunStats()
         self.started = time.perf_counter()
         self._in_flight: _Launched | None = None
-        self._last_read = 0.0  # when the last decode step's tokens came back
+        # When the last decode step's tokens came back, or the last prefill ended: a decode
+        # step is charged from the later of its launch and this, so time spent in a prefill
+        # while it was in flight is charged once (to the prefill), not to both.
+        self._last_read = 0.0
         self._modes: set[str] = set()
         self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
         tokenizer = engine.tokenizer
@@ -252,7 +255,9 @@ class EngineSession:
             if bounded:
                 break
         if worked:
-            stats.prefill_s += time.perf_counter() - begin
+            end = time.perf_counter()
+            stats.prefill_s += end - begin
+            self._last_read = end
 
     def _score(self, requests: list[Request]) -> None:
         """Score the choices of ready scoring requests in one extend, answer the questions
