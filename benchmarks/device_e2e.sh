@@ -18,8 +18,10 @@
 set -u
 OUT=${OUT:-/tmp/ppqa-device-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+if [ -d .whl ] || [ ! -d /tmp/site ]; then  # a later call on the same machine may leave .whl home
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PPQA_HOME=$PWD/.carry/home PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 
 DEADLINE=${DEADLINE:-570}  # seconds: no step starts or runs past it, so the archive is always made
@@ -53,6 +55,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
+    startup_alt)  # another helper layout on an empty cache (ALT_GROUPS, startup_profile --groups)
+      export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
+      step startup_alt 120 python3 benchmarks/startup_profile.py --no-profile --helpers \
+        --groups "${ALT_GROUPS:?}" --out "$OUT/startup_alt.json"
+      unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
         tests/kernels/test_triton_scoring.py ;;
@@ -67,6 +74,12 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     loogle) e2e loogle 170 --max-docs 8 ;;
     paper) e2e paper 260 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
+    arrivals) e2e arrivals 200 --max-docs 50 --arrival-seconds 30 ;;
+    gguf1)  # the real SmolLM2 GGUF is over one call's carry: its first part waits in /tmp
+      step gguf1 30 cp .gguf.1 /tmp/smollm2.gguf.1 ;;
+    same)  # ... and the second part comes with this call (same_answers.py: real weights)
+      step same 300 bash -c 'cat /tmp/smollm2.gguf.1 .gguf.2 > "$PPQA_HOME/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" \
+        && python3 benchmarks/same_answers.py --device cuda --out "$OUT/same_answers.json"' ;;
     answers)  # issue 21's pairs (not in the default steps: about 6 minutes)
       step answers 420 python3 -m ppqa bench --e2e quality-letters,quality-choices,labeling-short,labeling-short-labels,labeling-copies8,labeling-samples8 \
         --modes auto --passes 1 --max-docs ${ANSWER_DOCS:-20} --out "$OUT/e2e_answers.json" ;;

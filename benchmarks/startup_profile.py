@@ -38,11 +38,17 @@ def main() -> None:
     ap.add_argument("--helpers", action="store_true",
                     help="start compile helpers first, as `ppqa run` does (engine/precompile.py; "
                          "none start where the Triton cache holds this model's marker)")
+    ap.add_argument("--groups", default=None,
+                    help="with --helpers: the warm-up phases per helper, to compare layouts "
+                         "(e.g. 'long|many|few-stock,mixed'; default precompile.HELPER_PHASES)")
     args = ap.parse_args()
     phases = {}
     if args.helpers:
         from ppqa.engine import precompile
 
+        if args.groups:
+            precompile.HELPER_PHASES = tuple(tuple(g.split(",")) for g in args.groups.split("|"))
+        phases["helper_groups"] = [list(g) for g in precompile.HELPER_PHASES]
         phases["helpers_started"] = len(precompile.start(args.model, args.device))
     t = time.perf_counter()
     import torch
@@ -68,6 +74,7 @@ def main() -> None:
     phases["engine_build_s"] = time.perf_counter() - t
     if args.helpers:
         phases["helpers_wait"] = precompile.last_wait  # (finished well, started, seconds)
+        phases["helpers"] = precompile.last_reports  # each helper's phases and own timing
     build_top = top(prof) if not args.no_profile else []
     compiles = count_compiles()
     prof2 = cProfile.Profile()

@@ -2,6 +2,7 @@
 Triton cache is warm, when they start, and a helper process run end to end on the CPU. On a GPU,
 tests/gpu/test_precompile_gpu.py checks that they leave the worker's warm-up nothing to compile."""
 
+import json
 import subprocess
 import sys
 
@@ -60,6 +61,8 @@ def test_a_helper_that_fails_is_counted_and_leaves_nothing_running(triton_cache,
     assert precompile.wait(timeout=120) == (0, 1)
     assert helpers[0].process.returncode not in (0, None)
     assert precompile.last_wait[:2] == (0, 1)
+    assert precompile.last_reports == [{"phases": ["few-stock"],  # no timing report: it failed
+                                        "rc": helpers[0].process.returncode}]
     assert "Error" in helpers[0].log.read_text()  # the helper's own output says why
     assert precompile.wait() == (0, 0)  # waited for once
 
@@ -74,10 +77,12 @@ def test_a_helper_runs_its_phases_on_a_two_layer_copy():
     assert engine.config.max_batch_requests == 16
     done = subprocess.run([sys.executable, "-m", "ppqa.engine.precompile", "--model",
                            "dummy:tiny-gqa", "--device", "cpu", "--phases", "few-stock,mixed,choices",
-                           "--fields", '{"max_batch_requests": 16}'],
+                           "--fields", '{"max_batch_requests": 16}', "--started", "0"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "phases few-stock,mixed,choices" in done.stdout
+    report = json.loads(done.stdout.strip().splitlines()[-1])  # what `wait` reads
+    assert list(report["phase_s"]) == ["few-stock", "mixed", "choices"]
+    assert report["done_s"] > report["built_s"] > report["python_s"] > 1e9  # from the epoch
     assert precompile.main(["--model", "dummy:tiny-gqa", "--device", "cpu",
                             "--phases", "no-such-phase"]) == 2
 

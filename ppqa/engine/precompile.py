@@ -47,6 +47,9 @@ _WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worke
 
 _started: list[Helper] = []  # helpers this process started and has not waited for
 last_wait: tuple[int, int, float] | None = None  # (finished well, started, seconds waited)
+# The last wait's helpers: their phases, exit code, and their own timing report (`main`'s last
+# line: seconds from the start call to its engine built, and to its phases done).
+last_reports: list[dict] = []
 
 
 @dataclasses.dataclass
@@ -108,13 +111,14 @@ def start(model: str, device: str | None, fields: dict | None = None) -> list[He
     if marker(model, fields).exists():
         return []
     logs = Path(tempfile.mkdtemp(prefix="ppqa-compile-"))
+    started = time.time()
     helpers = []
     for i, phases in enumerate(HELPER_PHASES):
         log = logs / f"helper-{i}.log"
         with open(log, "w") as out:
             command = [sys.executable, "-m", "ppqa.engine.precompile", "--model", model,
                        "--device", device or "cuda", "--phases", ",".join(phases),
-                       "--fields", json.dumps(fields)]
+                       "--fields", json.dumps(fields), "--started", repr(started)]
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         helpers.append(Helper(phases, process, log))
@@ -138,7 +142,19 @@ def wait(timeout: float = _WAIT_SECONDS) -> tuple[int, int]:
             helper.process.kill()
             helper.process.wait()
     last_wait = (ok, len(helpers), time.monotonic() - began)
+    last_reports[:] = [{"phases": list(h.phases), "rc": h.process.returncode, **_report(h.log)}
+                       for h in helpers]
     return ok, len(helpers)
+
+
+def _report(log: Path) -> dict:
+    """A helper's timing report: the JSON object on its log's last line ({} if none)."""
+    try:
+        last = log.read_text(errors="replace").strip().splitlines()[-1]
+        report = json.loads(last)
+    except (OSError, IndexError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
 
 
 def stop() -> None:
@@ -194,8 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", required=True)
     ap.add_argument("--phases", required=True, help="warm-up phase names, comma-separated")
     ap.add_argument("--fields", default="{}", help="EngineConfig fields as JSON")
+    ap.add_argument("--started", type=float, default=None,
+                    help="when the worker started the helpers (epoch seconds): the report's origin")
     args = ap.parse_args(argv)
-    began = time.perf_counter()
+    origin = time.time() if args.started is None else args.started
+    imported = time.time() - origin  # torch is not imported yet: `shadow_engine` does that
     engine = shadow_engine(args.model, args.device, json.loads(args.fields))
     phases = dict(engine.warmup_phases())
     wanted = args.phases.split(",")
@@ -203,11 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown warm-up phases {unknown}; known: {list(phases)}", file=sys.stderr)
         return 2
-    built = time.perf_counter()
+    built = time.time() - origin
+    seconds = {}
     for name in wanted:
+        t0 = time.perf_counter()
         phases[name]()
-    print(f"built in {built - began:.1f} s; phases {args.phases} in "
-          f"{time.perf_counter() - built:.1f} s")
+        seconds[name] = round(time.perf_counter() - t0, 3)
+    # The last line is the report `wait` reads: seconds since the worker started the helpers.
+    print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
+                      "phase_s": seconds, "done_s": round(time.time() - origin, 3)}))
     return 0
 
 
