@@ -140,7 +140,11 @@ class LlamaModel(nn.Module):
         if fused_kernels and fused is None:
             raise ValueError("fused_kernels needs triton, which is not installed")
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # An explicit (empty) weight: the loader fills it, and nn.Embedding's random init on the
+        # meta device would import torch._dynamo (seconds in every worker and helper process).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, fused_kernels)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fused_kernels)
@@ -181,11 +185,24 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
         model = LlamaModel(config, dtype, fused_kernels)
     if transform is not None:
         weights = transform(model, weights)
-    model.to_empty(device=device)
+    _materialize(model, torch.device(device))
     load_weights(model, weights)
     model.rope.build(device)
     model.eval().requires_grad_(False)
     return model
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Module.to_empty by shape: uninitialised storage on `device` for every meta parameter and
+    buffer. (to_empty's empty_like on meta tensors goes through torch's Python references, which
+    import sympy: seconds in every process that builds a model.)"""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buf in module.named_buffers(recurse=False):
+            module.register_buffer(name, torch.empty(buf.shape, dtype=buf.dtype, device=device),
+                                   persistent=name not in module._non_persistent_buffers_set)
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
