@@ -32,14 +32,15 @@ import time
 from pathlib import Path
 
 MARKER_PREFIX = "ppqa-warm-"
-# The warm-up's phases, grouped per helper so that the helpers end at about the same time; on
-# an empty cache `long` compiled for 11 s, `many` 4 s, the `few-*` phases and `mixed` 9 s
-# together (results/h200/startup_cold_phases.json), and a helper holding those and `choices`
-# as well ended last, after 30 s (startup_cold_helpers3.json). Groups keep the warm-up's
-# order: `mixed` and `choices` meet the short document the `few-*` phases left cached, a path
-# of its own.
-HELPER_PHASES = (("long",), ("many",), ("few-stock", "few-cascade", "few-parallel", "mixed"),
-                 ("few-cascade", "choices"))
+# The warm-up's phases, one per helper. A helper's first phase also compiles the kernels every
+# phase meets (norms, rope, KV stores, the attention kernels' common variants): ~6.5 s of its
+# ~9-11 s, on top of ~10 s to start and build, so a helper that runs two costly phases ends last
+# (results/h200/startup_cold_helpers4_s12.json: `few-*` then `mixed` ended after 33 s, `long`
+# alone after 22). In the worker's warm-up the later phases meet the short document that `many`
+# left cached; a helper runs such a phase twice, first on the document uncached (which caches
+# it), then cached, so that it meets both paths the worker may take.
+HELPER_PHASES = (("long",), ("many",), ("few-stock", "few-stock"), ("few-cascade", "few-cascade"),
+                 ("few-parallel", "few-parallel"), ("mixed", "mixed"), ("choices", "choices"))
 # EngineConfig fields that change which kernels the warm-up meets and that a worker knows
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
@@ -223,11 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown warm-up phases {unknown}; known: {list(phases)}", file=sys.stderr)
         return 2
     built = time.time() - origin
-    seconds = {}
+    seconds = []
     for name in wanted:
         t0 = time.perf_counter()
         phases[name]()
-        seconds[name] = round(time.perf_counter() - t0, 3)
+        seconds.append([name, round(time.perf_counter() - t0, 3)])
     # The last line is the report `wait` reads: seconds since the worker started the helpers.
     print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
                       "phase_s": seconds, "done_s": round(time.time() - origin, 3)}))
