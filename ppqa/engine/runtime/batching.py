@@ -72,8 +72,12 @@ def sampling_rows(requests: Sequence[Request], rows: list[int] | None, pad_rows:
     or all P (decode, rows None), plus `pad_rows` greedy rows for dummy requests. The step
     counter is each stream's scheduled token count before this step."""
     counts = rows if rows is not None else [None] * len(requests)  # [:None]: every stream
+    narrow = rows is None and all(r.width == 1 for r in requests)
 
     def cat(name: str, pad_value) -> torch.Tensor:
+        if narrow:  # one row per request (stock and cascade decode): gather scalars
+            column = [getattr(r, name)[0] for r in requests] + [pad_value] * pad_rows
+            return torch.from_numpy(np.array(column, dtype=getattr(requests[0], name).dtype))
         parts = [getattr(r, name)[:n] for r, n in zip(requests, counts)]
         parts.append(np.full(pad_rows, pad_value, dtype=parts[0].dtype))
         return torch.from_numpy(np.concatenate(parts))

@@ -342,18 +342,31 @@ class Scheduler:
         """
         batch, width = len(requests), requests[0].width
         kind = "extend" if requests[0].mode == "parallel" else "decode"
-        cascade = kind == "decode" and any(r.mode == "cascade" for r in requests)
-        mixed = cascade and any(r.mode != "cascade" for r in requests)
+        modes = {r.mode for r in requests}
+        cascade = kind == "decode" and "cascade" in modes
+        mixed = cascade and len(modes) > 1
         pad = max(0, pad_to - batch)
-        feed = [r.schedulable() for r in requests]
-        counts = [int(mask.sum()) for mask in feed]
+        if width == 1:
+            # Stock and cascade (hot at B=256): each request's state read once as scalars.
+            fed1 = np.array([bool(r.live[0]) and r.num_out[0] < r.max_new[0] for r in requests]
+                            + [False] * pad)
+            feed = list(fed1[:batch, None])  # [1] views, one per request
+            counts = fed1[:batch].astype(np.int64).tolist()
+            next_pos = torch.from_numpy(np.array([r.next_pos[0] for r in requests] + [0] * pad,
+                                                 dtype=np.int64)[:, None])
+            live = torch.from_numpy(fed1[:, None])
+            last_tokens = np.array([r.last_token[0] for r in requests] + [0] * pad, dtype=np.int64)
+        else:
+            feed = [r.schedulable() for r in requests]
+            counts = [int(mask.sum()) for mask in feed]
+            dummy = [np.zeros(width, dtype=np.int64)] * pad
+            next_pos = torch.from_numpy(np.stack([r.next_pos for r in requests] + dummy))
+            live = torch.from_numpy(np.stack(feed + [d.astype(bool) for d in dummy]))
+            last_tokens = np.concatenate([r.last_token for r in requests] + dummy)
         for req, count in zip(requests, counts):
             if req.prefix_len + count > req.doc_len + req.slots.numel():  # the row's slots
                 raise RuntimeError(f"request row {req.row} would outgrow its KV reservation")
         prefix = torch.tensor([r.prefix_len for r in requests] + [0] * pad)
-        dummy = [np.zeros(width, dtype=np.int64)] * pad
-        next_pos = torch.from_numpy(np.stack([r.next_pos for r in requests] + dummy))
-        live = torch.from_numpy(np.stack(feed + [d.astype(bool) for d in dummy]))
         layout, _ = decode_layout(prefix, next_pos, live)
         tokens = (batch + pad) * width
         rows = [r.row for r in requests] + [self.table.DUMMY_ROW] * pad
@@ -373,13 +386,16 @@ class Scheduler:
                 hints = {}
         input_src = None
         if prev is not None and any(r.pending_step == prev.uid for r in requests):
-            lanes, none = np.arange(width), np.full(width, -1)
-            input_src = torch.from_numpy(np.concatenate(
-                [np.where(lanes < len(r.streams), r.pending_row + lanes, -1)
-                 if r.pending_step == prev.uid else none for r in requests] + [none] * pad))
+            if width == 1:
+                input_src = torch.tensor([r.pending_row if r.pending_step == prev.uid else -1
+                                          for r in requests] + [-1] * pad)
+            else:
+                lanes, none = np.arange(width), np.full(width, -1)
+                input_src = torch.from_numpy(np.concatenate(
+                    [np.where(lanes < len(r.streams), r.pending_row + lanes, -1)
+                     if r.pending_step == prev.uid else none for r in requests] + [none] * pad))
         inputs = StepInputs(
-            kind=kind, input_ids=torch.from_numpy(np.concatenate([r.last_token for r in requests]
-                                                                 + dummy)),
+            kind=kind, input_ids=torch.from_numpy(last_tokens),
             layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
             req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
             logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True,
@@ -388,6 +404,14 @@ class Scheduler:
         bases = list(range(0, batch * width, width))
         sampling.grammar = grammar_rows(requests, bases, feed)
         step = PlannedStep(next(self._step_ids), list(requests), inputs, sampling, bases, feed)
+        if width == 1:
+            for req, count, base in zip(requests, counts, step.bases):
+                if count:
+                    req.prefix_len += 1
+                    req.next_pos[0] += 1
+                    req.num_out[0] += 1
+                req.pending_step, req.pending_row = step.uid, base
+            return step
         for req, mask, count, base in zip(requests, feed, counts, step.bases):
             req.prefix_len += count
             req.next_pos += mask
@@ -418,7 +442,7 @@ class Scheduler:
             for s in picks:
                 if req.accept(s, tokens[base + s], eos_ids, decode, now):
                     finished.append(req.streams[s])
-            if req.is_finished:
+            if not req.live[0] if req.width == 1 else req.is_finished:
                 self.release(req)
         self.running = [r for r in self.running if r.row >= 0]
         return finished
