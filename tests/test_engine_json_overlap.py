@@ -121,6 +121,51 @@ def test_constrained_steps_are_launched_before_the_step_in_flight_is_read(
     assert counts[False] == 0
 
 
+def test_masks_fill_while_the_next_step_is_built(tmp_path: Path, monkeypatch) -> None:
+    """A constrained step behind the step in flight fills its masks on another thread while
+    the main thread builds the next step: each fill waits (a bounded while) for a step to be
+    built after it began, and only a fill with no step after it (the last) waits in vain."""
+    import threading
+
+    from ppqa.engine.runtime.scheduler import Scheduler
+
+    from ppqa.engine import session
+
+    built, main = threading.Event(), threading.get_ident()
+    fills: list[tuple[bool, bool]] = []  # (off the main thread, a step was built meanwhile)
+    fill, build, later = GrammarRows.bitmask, Scheduler.decode_step, session.fill_later
+
+    def watched_later(*args, **kw):
+        built.clear()  # on the main thread, before the fill is handed over
+        return later(*args, **kw)
+
+    def watched_fill(self, *args, **kw):
+        off_main = threading.get_ident() != main
+        fills.append((off_main, off_main and built.wait(timeout=2.0)))
+        return fill(self, *args, **kw)
+
+    def watched_build(self, *args, **kw):
+        step = build(self, *args, **kw)
+        built.set()
+        return step
+
+    monkeypatch.setattr(session, "fill_later", watched_later)
+    monkeypatch.setattr(GrammarRows, "bitmask", watched_fill)
+    monkeypatch.setattr(Scheduler, "decode_step", watched_build)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(9)
+    doc = text(rng, 80)
+    requests = [QuestionRequest(q, doc, text(rng, rng.randint(3, 15)), SamplingParams(
+        max_new_tokens=BUDGET, json_schema=schema_text(LONG)), tmpl) for q in range(4)]
+    answers = {}
+    tiny_engine().run(requests, mode="stock", on_answer=lambda r, a: answers.__setitem__(r.key, a))
+    for answer in answers.values():
+        jsonschema.validate(json.loads(answer.text), LONG)
+    behind = [f for f in fills if f[0]]  # the first decode step fills on the main thread
+    assert len(behind) >= 5
+    assert sum(overlapped for _, overlapped in behind) >= len(behind) - 1
+
+
 def test_a_stream_finished_in_flight_gets_no_mask(tmp_path: Path) -> None:
     eng = tiny_engine()
     vocab = eng.model_config.vocab_size

@@ -16,8 +16,10 @@ step t's sampled tokens on the device) before step t's tokens are read back, so 
 overlaps the GPU. A step holding streams under a grammar (JSON answers) is launched in two
 parts, because each stream's mask depends on the token it accepted last: its forward goes to
 the device first; then step t is read back and its tokens accepted (the matchers consume them,
-finished streams become answers); then the masks are filled on the host while the forward
-runs, applied to its logits, and the step samples (`_launch`; runtime/grammar.py). A stream
+finished streams become answers); then the masks are filled on a background thread while the
+forward runs and the main thread goes on to build the next step, and the step is sampled
+(masks applied) when something needs its tokens: the next forward or its read back (`_launch`,
+`_run`, `_Launched.complete`; runtime/grammar.py). A stream
 that step t finished is fed once more by step t+1, whose token for it is dropped, as for any
 stream under the overlap.
 `Engine.run` and `Engine.answer` are a session that is fed once and drained; the worker keeps
@@ -42,7 +44,8 @@ from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
 from ppqa.engine.prepare import choose_plan, make_requests, prepare_groups
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
-from ppqa.engine.runtime.sampling import sample
+from ppqa.engine.runtime.grammar import fill_later
+from ppqa.engine.runtime.sampling import FILL, sample
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler
 from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
 from ppqa.modes import check_mode
@@ -54,6 +57,11 @@ ErrorCallback = Callable[[QuestionRequest, Exception], None]
 class EngineSession:
     """A running loop over `engine`: `submit` adds questions, `step` advances the work by one
     iteration, `cancel` drops questions; answers and rejections go to the callbacks."""
+
+    # A constrained step launched behind the step in flight fills its masks on a background
+    # thread and samples just before the next forward (or read back) needs its tokens, so the
+    # host builds the next step while the masks fill. Off where ranks sample in lockstep.
+    defer_masks = True
 
     def __init__(self, engine, on_answer: AnswerCallback | None = None,
                  on_error: ErrorCallback | None = None) -> None:
@@ -216,7 +224,7 @@ class EngineSession:
         """Document chunks, then the questions whose documents are ready; bounded: at most one
         of each. Timed to the device (a synchronisation at the end) and charged to the streams
         that waited for them."""
-        sched, runner, stats = self.sched, self._parts.runner, self.stats
+        sched, stats = self.sched, self.stats
         begin = time.perf_counter()
         worked = False
         while True:
@@ -227,7 +235,7 @@ class EngineSession:
             waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
             inputs = sched.document_chunk(doc)
             chunk_begin = time.perf_counter()
-            runner.run(inputs)
+            self._run(inputs)
             stats.steps += 1
             stats.prefilled_tokens += inputs.num_tokens
             worked = True
@@ -265,7 +273,7 @@ class EngineSession:
         begin = time.perf_counter()
         cascade = self._grouped_prefill or any(r.mode == "cascade" for r in requests)
         inputs, plan = self.sched.score_step(requests, cascade=cascade)
-        logprobs = choice_logprobs(self._parts.runner.run(inputs), plan)  # waits for the device
+        logprobs = choice_logprobs(self._run(inputs), plan)  # waits for the device
         self.stats.steps += 1
         self.stats.prefilled_tokens += inputs.num_tokens
         seconds = time.perf_counter() - begin
@@ -326,20 +334,34 @@ class EngineSession:
         samples before `prev` is read (the device samples at once); one with grammar rows after
         (its masks need the tokens of `prev` accepted), filling them while the forward runs."""
         launched_at = time.perf_counter()
-        logits = self._parts.runner.run(step.inputs, None if prev is None else prev.tokens)
+        logits = self._run(step.inputs, prev)
         self.stats.steps += 1
         if prev is None:
             return _Launched(step, self._sample(logits, step), launched_at)
         self.stats.overlapped_steps += 1  # launched before the step in flight was read
         if step.sampling.grammar is not None:
             self._finish(prev)
-            return _Launched(step, self._sample(logits, step), launched_at)
+            if not self.defer_masks:
+                return _Launched(step, self._sample(logits, step), launched_at)
+            masks = fill_later(step.sampling.grammar, *logits.shape, pin=logits.is_cuda)
+            return _Launched(step, None, launched_at,
+                             later=lambda: self._sample(logits, step, masks.result()))
         launched = _Launched(step, self._sample(logits, step), launched_at)
         self._finish(prev)
         return launched
 
-    def _sample(self, logits: torch.Tensor, step: PlannedStep) -> torch.Tensor:
-        return sample(logits, step.sampling)
+    def _run(self, inputs, prev: _Launched | None = None) -> torch.Tensor | None:
+        """Forward one step (`prev`: the step in flight whose device tokens feed it). A step
+        still waiting for its masks samples first, so that its logits are sampled before any
+        later forward and its tokens exist for this one."""
+        if self._in_flight is not None:
+            self._in_flight.complete()
+        if prev is not None:
+            prev.complete()
+        return self._parts.runner.run(inputs, None if prev is None else prev.tokens)
+
+    def _sample(self, logits: torch.Tensor, step: PlannedStep, bitmask=FILL) -> torch.Tensor:
+        return sample(logits, step.sampling, bitmask)
 
     def _finish(self, launched: _Launched, charge: bool = True) -> None:
         tokens = launched.read()
@@ -387,16 +409,30 @@ class _Launched:
     """A step on its way: its sampled tokens on the device, copied to pinned host memory
     behind the step (no wait); `read` waits for this step alone."""
 
-    def __init__(self, step: PlannedStep, tokens: torch.Tensor, launched_at: float) -> None:
+    def __init__(self, step: PlannedStep, tokens: torch.Tensor | None, launched_at: float,
+                 later: Callable[[], torch.Tensor] | None = None) -> None:
         self.step, self.tokens, self.launched_at = step, tokens, launched_at
         self._event = None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        self._later = later  # samples the step, once its masks are filled (tokens None till then)
+        if tokens is not None:
+            self._copy()
+
+    def _copy(self) -> None:
+        if self.tokens.is_cuda:
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
+    def complete(self) -> None:
+        """Sample a step whose masks were filling (a no-op once sampled)."""
+        if self._later is not None:
+            later, self._later = self._later, None
+            self.tokens = later()
+            self._copy()
+
     def read(self) -> list[int]:
+        self.complete()
         if self._event is None:
             return self.tokens.tolist()
         self._event.synchronize()

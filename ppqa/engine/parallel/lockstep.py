@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ppqa.engine.parallel.tensor_parallel import TensorParallel
+from ppqa.engine.runtime.sampling import FILL
 from ppqa.engine.session import EngineSession
 
 
@@ -140,12 +141,16 @@ class LeaderSession(EngineSession):
             self._lockstep.post("close", self._sid)
         return super().close()
 
-    def _sample(self, logits, step) -> torch.Tensor:
-        return self._lockstep.share_tokens(super()._sample(logits, step))
+    defer_masks = False  # every rank samples at the same point of the step
+
+    def _sample(self, logits, step, bitmask=FILL) -> torch.Tensor:
+        return self._lockstep.share_tokens(super()._sample(logits, step, bitmask))
 
 
 class FollowerSession(EngineSession):
     """Another rank's session: driven by `follower.follow`, sampling rank 0's tokens."""
 
-    def _sample(self, logits, step) -> torch.Tensor:
-        return self._parts.lockstep.share_tokens(super()._sample(logits, step))
+    defer_masks = False
+
+    def _sample(self, logits, step, bitmask=FILL) -> torch.Tensor:
+        return self._parts.lockstep.share_tokens(super()._sample(logits, step, bitmask))

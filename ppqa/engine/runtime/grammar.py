@@ -140,6 +140,17 @@ class GrammarRows:
 
 
 _EXECUTOR = None
+_FILLER = None
+
+
+def fill_later(rows: GrammarRows, num_rows: int, vocab_size: int, *, pin: bool = False):
+    """`rows.bitmask(...)` on a background thread (the library releases the GIL while its pool
+    fills): a Future of the bitmask, so that the caller builds its next step meanwhile."""
+    global _FILLER
+    if _FILLER is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _FILLER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppqa-masks")
+    return _FILLER.submit(rows.bitmask, num_rows, vocab_size, pin=pin)
 
 
 def _executor():

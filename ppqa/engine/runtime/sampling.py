@@ -121,11 +121,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return torch.where(allowed[:, :vocab], logits, float("-inf"))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+FILL = object()  # `sample`'s default bitmask: fill it now
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, bitmask=FILL) -> torch.Tensor:
     """logits [R, V] (float32) -> token ids [R] int64 on the logits' device. Rows under a
-    grammar are masked first: their masks are filled now, from the matchers as they stand."""
+    grammar are masked first, by `bitmask` when the caller filled it already (None: no row
+    left to mask), else by masks filled now from the matchers as they stand."""
     if batch.grammar is not None:
-        bitmask = batch.grammar.bitmask(*logits.shape, pin=logits.is_cuda)
+        if bitmask is FILL:
+            bitmask = batch.grammar.bitmask(*logits.shape, pin=logits.is_cuda)
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
     greedy = logits.argmax(dim=-1)
