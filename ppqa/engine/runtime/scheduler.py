@@ -442,7 +442,8 @@ class Scheduler:
             for s in picks:
                 if req.accept(s, tokens[base + s], eos_ids, decode, now):
                     finished.append(req.streams[s])
-            if not req.live[0] if req.width == 1 else req.is_finished:
+            done = not req.live[0] if req.width == 1 else req.is_finished  # width 1: no numpy
+            if done:
                 self.release(req)
         self.running = [r for r in self.running if r.row >= 0]
         return finished
