@@ -125,3 +125,38 @@ def test_ingest_status_and_export_do_not_import_torch(tmp_path):
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert lines == [[args[0], []] for args in commands]
     assert (tmp_path / "out.jsonl").read_text().count("\n") == 2  # the two questions, unanswered
+
+
+@pytest.mark.parametrize("argv, code, out", [
+    (["--help"], 0, "Usage"),  # click ends with SystemExit(0)
+    (["no-such-command"], 2, "No such command"),  # a usage error
+])
+def test_a_process_with_torch_loaded_exits_with_its_code_after_its_atexit_handlers(
+        argv, code, out, tmp_path):
+    # With torch imported, `main` skips the interpreter's teardown (cli/app._exit): the exit
+    # code, the output and the atexit handlers must be what a plain exit gives.
+    program = ("import atexit, sys, torch\n"
+               "from ppqa.cli.app import main\n"
+               "atexit.register(lambda: print('atexit ran', flush=True))\n"
+               f"sys.argv = ['ppqa', *{argv!r}]\n"
+               "main()\n"
+               "print('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == code, done.stderr
+    assert out in done.stdout + done.stderr
+    assert done.stdout.rstrip().endswith("atexit ran") and "not reached" not in done.stdout
+
+
+def test_exit_with_a_message_prints_it_and_means_1_and_without_torch_raises():
+    done = subprocess.run([sys.executable, "-c",
+                           "import torch\nfrom ppqa.cli.app import _exit\n_exit('bad input')"],
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip()) == (1, "bad input")
+    # Without torch (the store commands) it is a plain SystemExit, catchable as ever.
+    done = subprocess.run([sys.executable, "-c",
+                           "import sys\nfrom ppqa.cli.app import _exit\n"
+                           "try:\n    _exit(3)\nexcept SystemExit as e:\n"
+                           "    print('raised', e.code, 'torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "raised 3 False", done.stderr

@@ -121,4 +121,35 @@ def main() -> None:
         app(prog_name="ppqa")
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: one line, no traceback
         print("ppqa: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        _exit(130)
+    except SystemExit as exc:  # how click ends every command
+        _exit(exc.code)
+
+
+def _exit(code) -> None:
+    """End the process with `code` (SystemExit's meaning: None is 0, a string is printed and
+    means 1). Where torch is loaded (a worker, a server), the interpreter's own teardown of its
+    modules and tensors takes most of a second after the command is done; with everything of
+    ours closed by then, the process does what Python's exit does first (join the threads it
+    would join, run the atexit handlers, flush) and then ends without the teardown."""
+    if "torch" not in sys.modules:
+        raise SystemExit(code)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    import atexit
+    import os
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say there
+            pass
+    os._exit(code)
