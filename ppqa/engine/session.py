@@ -42,9 +42,9 @@ import torch
 from ppqa.engine import scoring
 from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
 from ppqa.engine.prepare import choose_plan, make_requests, prepare_groups
+from ppqa.engine.runtime.grammar import fill_later
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
-from ppqa.engine.runtime.grammar import fill_later
 from ppqa.engine.runtime.sampling import FILL, sample
 from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler
 from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
@@ -332,7 +332,8 @@ class EngineSession:
         step's inputs) is read back and postprocessed after this step's forward is queued, so
         the host does that while the device runs the forward. A step without grammar rows
         samples before `prev` is read (the device samples at once); one with grammar rows after
-        (its masks need the tokens of `prev` accepted), filling them while the forward runs."""
+        (its masks need the tokens of `prev` accepted), filling them on a background thread while
+        the forward runs; it samples when its tokens are first needed (`_run`, `read`)."""
         launched_at = time.perf_counter()
         logits = self._run(step.inputs, prev)
         self.stats.steps += 1
