@@ -15,7 +15,8 @@ The model's forward (a CUDA graph for decode steps) never sees the grammar: the 
 to the logits the runner returns, before sampling. A mask needs the stream's previous token
 accepted first, so the session splits a constrained step in two (engine/session.py): its forward
 is launched behind the step in flight, then that step is read back and its tokens consumed,
-then the masks are filled on the host while the device still runs the forward, and applied. A
+then the masks are filled on a background thread (`fill_later`) while the device runs the
+forward and the session builds its next step, and applied when the step's tokens are needed. A
 stream that the step in flight finished still has a row in the step behind it; its mask is not
 filled (the token is dropped anyway), so a step whose constrained streams all finished builds no
 bitmask at all.

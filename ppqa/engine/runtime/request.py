@@ -137,12 +137,17 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        """Every stream has finished (meaningful once answers started: `live` marks the rest)."""
-        return not self.live.any()
+        """Every stream has finished (meaningful once answers started: `live` marks the rest).
+        Width 1 reads its one element: stock and cascade steps hold 256 requests."""
+        return not (self.live[0] if self.width == 1 else self.live.any())
 
     def schedulable(self) -> np.ndarray:
         """[P] bool: streams a new step would feed (live, and token budget not yet scheduled)."""
         return self.live & (self.num_out < self.max_new)
+
+    def feeds_one(self) -> bool:
+        """`schedulable()` of a width-1 request, as one bool (no array)."""
+        return bool(self.live[0]) and self.num_out[0] < self.max_new[0]
 
     def start_answers(self) -> None:
         """After the question prefill: every real stream is live at its first answer position."""

@@ -322,7 +322,7 @@ class Scheduler:
         batches: dict[tuple, list[Request]] = {}
         for r in self.running:
             if r.width == 1 and r.mode != "parallel":
-                if r.live[0] and r.num_out[0] < r.max_new[0]:
+                if r.feeds_one():
                     batches.setdefault((1, "decode"), []).append(r)
             elif r.schedulable().any():
                 batches.setdefault((r.width, "extend"), []).append(r)
@@ -348,8 +348,7 @@ class Scheduler:
         pad = max(0, pad_to - batch)
         if width == 1:
             # Stock and cascade (hot at B=256): each request's state read once as scalars.
-            fed1 = np.array([bool(r.live[0]) and r.num_out[0] < r.max_new[0] for r in requests]
-                            + [False] * pad)
+            fed1 = np.array([r.feeds_one() for r in requests] + [False] * pad)
             feed = list(fed1[:batch, None])  # [1] views, one per request
             counts = fed1[:batch].astype(np.int64).tolist()
             next_pos = torch.from_numpy(np.array([r.next_pos[0] for r in requests] + [0] * pad,
@@ -442,8 +441,7 @@ class Scheduler:
             for s in picks:
                 if req.accept(s, tokens[base + s], eos_ids, decode, now):
                     finished.append(req.streams[s])
-            done = not req.live[0] if req.width == 1 else req.is_finished  # width 1: no numpy
-            if done:
+            if req.is_finished:
                 self.release(req)
         self.running = [r for r in self.running if r.row >= 0]
         return finished
