@@ -308,7 +308,10 @@ def private_pg():
 @pytest.mark.postgres
 def test_postgres_restarts_under_a_following_worker(private_pg, tmp_path, zygote):
     url = private_pg.url
-    jobs = queue_jobs(url, documents=6, jobs_per_document=3, questions=3, budgets=(16, 32))
+    # Enough work that both restarts find the worker busy: with 54 answers of 16-32 tokens a
+    # loaded CI machine's worker had answered all before the first restart, which then went
+    # unnoticed.
+    jobs = queue_jobs(url, documents=10, jobs_per_document=3, questions=3, budgets=(32, 64))
     pid, err = zygote.run(_worker_args("--follow", "--lease-seconds", "3", "--max-jobs", "2"),
                           _env(tmp_path, url), name="pg-follow")
     restarts = []
