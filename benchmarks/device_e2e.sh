@@ -70,6 +70,9 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step timeline256 90 python3 benchmarks/session_timeline.py --workload paper --out "$OUT/timeline256.json"
       step timeline512 90 python3 benchmarks/session_timeline.py --workload paper --max-batch-requests 512 \
         --out "$OUT/timeline512.json" ;;
+    wtimeline)  # the paper mix through a bare session and through the worker, one process
+      step wtimeline 240 python3 benchmarks/session_timeline.py --workload paper \
+        --paths session,worker,session,worker --folder /tmp/wtimeline --out "$OUT/wtimeline.json" ;;
     prewarm)  # the default Triton cache made warm for the 7B preset, so that the e2e steps'
       # first process (stock's, with one pass) does not pay the compiling that the other skips
       step prewarm 120 python3 -c "from ppqa import Engine; Engine('dummy:codellama-7b+bpe', device='cuda').warmup()" ;;

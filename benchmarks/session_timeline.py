@@ -8,6 +8,12 @@ size, which of them replayed a CUDA graph and which ran eagerly, and the Triton 
 (and their seconds) that happened inside the run. Against the run's floors, this says how much
 of `ppqa run`'s time is the engine's own loop.
 
+`--paths session,worker,session` runs the passes alternately through a bare session and through
+the real worker (`ppqa.worker.loop.Worker` over a fresh SQLite store that `ppqa ingest --batch`
+filled, with the CLI's log progress), in one process on one warm engine: the same tallies, plus
+the worker loop's own phases (claims, writes and settling, lost leases), so the two paths'
+difference is measured rather than inferred from separate processes.
+
     python3 benchmarks/session_timeline.py --workload paper --mode auto --out timeline.json
 """
 
@@ -16,8 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import torch
 
@@ -54,14 +63,10 @@ def wrap(owner, name: str, tally: Tally, label: str, on_result=None, phase=None)
 
 
 def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: dict,
-             compiles: dict) -> dict:
-    """One session over the whole workload (drawn from workload.seed), stepped to the end."""
+             compiles: dict, path: str = "session", folder: Path | None = None) -> dict:
+    """One pass over the whole workload (drawn from workload.seed), through a bare session
+    stepped to the end, or through the worker over a store that holds the workload."""
     jobs = make_jobs(workload, engine.tokenizer, max_docs)
-    requests = []
-    for job in jobs.jobs:
-        sampling = SamplingParams(max_new_tokens=job.max_new_tokens, ignore_eos=True)
-        requests += [QuestionRequest((job.name, qid), jobs.documents[job.document], q, sampling,
-                                     template=job.template) for qid, q in job.questions]
     tally = Tally()
     graph_use: Counter = Counter()
 
@@ -70,39 +75,56 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
 
     restore = wrap(GraphCache, "run", tally, "graph_run", graph_result)
     compiled_before = (compiles["count"], compiles["seconds"])
-    answers = []
-    session = engine.session(on_answer=lambda req, ans: answers.append(time.perf_counter()))
-    wrap(session, "_prefill", tally, "prefill", phase=phase)
-    wrap(session, "_decode", tally, "decode", phase=phase)
+    answers: list[float] = []
     batch_sizes: Counter = Counter()
-    sched = session.sched
-    original_decode_step = sched.decode_step
+    sessions: list = []
 
-    def decode_step(batch, **kw):
-        step = original_decode_step(batch, **kw)
-        kinds = "+".join(sorted({r.mode for r in batch}))
-        batch_sizes[f"{kinds}:{len(batch)}"] += 1
-        return step
+    def instrument(session):
+        wrap(session, "_prefill", tally, "prefill", phase=phase)
+        wrap(session, "_decode", tally, "decode", phase=phase)
+        sched = session.sched
+        original_decode_step = sched.decode_step
 
-    sched.decode_step = decode_step
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    session.submit(requests, mode=mode)
-    submit_s = time.perf_counter() - t0
-    iterations = 0
-    while session.has_work():
-        session.step()
-        iterations += 1
-    session.flush()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    stats = session.close()
+        def decode_step(batch, **kw):
+            step = original_decode_step(batch, **kw)
+            kinds = "+".join(sorted({r.mode for r in batch}))
+            batch_sizes[f"{kinds}:{len(batch)}"] += 1
+            return step
+
+        sched.decode_step = decode_step
+        sessions.append(session)
+        return session
+
+    extra: dict = {}
+    if path == "session":
+        requests = []
+        for job in jobs.jobs:
+            sampling = SamplingParams(max_new_tokens=job.max_new_tokens, ignore_eos=True)
+            requests += [QuestionRequest((job.name, qid), jobs.documents[job.document], q,
+                                         sampling, template=job.template)
+                         for qid, q in job.questions]
+        session = instrument(engine.session(
+            on_answer=lambda req, ans: answers.append(time.perf_counter())))
+        sync(engine)
+        t0 = time.perf_counter()
+        session.submit(requests, mode=mode)
+        extra["submit_s"] = time.perf_counter() - t0
+        iterations = 0
+        while session.has_work():
+            session.step()
+            iterations += 1
+        session.flush()
+        sync(engine)
+        wall = time.perf_counter() - t0
+        stats = session.close()
+    else:
+        t0, iterations, wall, stats, extra = worker_pass(engine, workload, jobs, mode, folder,
+                                                         instrument, answers, tally)
     GraphCache.run = restore
     return {
-        "seed": workload.seed, "questions": len(requests), "documents": len(jobs.documents),
-        "wall_s": wall, "submit_s": submit_s, "iterations": iterations,
+        "path": path, "seed": workload.seed,
+        "questions": sum(len(j.questions) for j in jobs.jobs), "documents": len(jobs.documents),
+        "wall_s": wall, "iterations": iterations, **extra,
         "phase_s": dict(tally.seconds), "phase_calls": dict(tally.calls),
         "graph_use": dict(graph_use), "decode_steps_by_batch": dict(batch_sizes),
         "compiles": compiles["count"] - compiled_before[0],
@@ -111,6 +133,58 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         "captured_graphs": engine.captured_graphs,
         "first_answer_s": (answers[0] - t0) if answers else None,
     }
+
+
+def sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrument, answers,
+                tally: Tally):
+    """The workload ingested into a fresh store by the CLI, then `Worker.run` in this process
+    on `engine`, with the CLI's progress sink; the worker loop's phases join `tally`."""
+    from ppqa.bench.workloads import write_batch
+    from ppqa.cli.run_progress import make_progress
+    from ppqa.store.db import open_db
+    from ppqa.store.queue import waiting_questions
+    from ppqa.worker import loop
+
+    folder.mkdir(parents=True, exist_ok=True)
+    db_path = folder / f"worker-{workload.seed}.db"
+    db_path.unlink(missing_ok=True)
+    batch = write_batch(jobs, folder, name=f"batch-{workload.seed}.jsonl")
+    t_ingest = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "ppqa", "--db", str(db_path), "ingest", "--batch",
+                    str(batch)], check=True, capture_output=True, text=True)
+    ingest_s = time.perf_counter() - t_ingest
+    db = open_db(str(db_path))
+    model = engine.model_name
+    options = loop.WorkerOptions(model=model, device=str(engine.device), mode=mode)
+    progress = make_progress(lambda: waiting_questions(db, model))
+    worker = loop.Worker(db, engine, options, progress)
+    new_session = worker._new_session
+    worker._new_session = lambda: instrument(new_session())
+    for name in ("_claim_if_room", "_write_and_settle", "_drop_lost"):
+        wrap(worker, name, tally, f"worker{name}")
+    on_answer = worker._on_answer
+
+    def answered(req, answer):
+        answers.append(time.perf_counter())
+        on_answer(req, answer)
+
+    worker._on_answer = answered
+    sync(engine)
+    t0 = time.perf_counter()
+    summary = worker.run()
+    sync(engine)
+    wall = time.perf_counter() - t0
+    session = worker._session
+    stats = session.stats
+    done = sum(1 for j in summary.jobs if j.status == "done")
+    return t0, stats.steps, wall, stats, {
+        "ingest_s": ingest_s, "jobs_done": done, "jobs": len(summary.jobs),
+        "worker_wall_s": summary.wall_seconds, "questions_answered": summary.questions}
 
 
 def main() -> None:
@@ -124,6 +198,10 @@ def main() -> None:
                          "steady state, kernels compiled and graphs captured")
     ap.add_argument("--max-batch-requests", type=int, default=None,
                     help="EngineConfig.max_batch_requests (requests decoded together)")
+    ap.add_argument("--paths", default=None,
+                    help="comma-separated 'session' or 'worker', one per pass (default: session "
+                         "for every pass); a worker pass runs ppqa's worker over a fresh store")
+    ap.add_argument("--folder", default="timeline_work", help="where worker passes keep stores")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="timeline.json")
     args = ap.parse_args()
@@ -155,21 +233,26 @@ def main() -> None:
     result = {"workload": args.workload, "model": engine.model_name, "mode": args.mode,
               "max_batch_requests": engine.config.max_batch_requests, "warmup_s": warm_s,
               "passes": []}
-    for p in range(args.passes):
+    paths = args.paths.split(",") if args.paths else ["session"] * args.passes
+    if any(p not in ("session", "worker") for p in paths):
+        ap.error(f"--paths takes 'session' and 'worker', got {args.paths!r}")
+    for p, path in enumerate(paths):
         run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p), args.mode,
-                       args.max_docs, phase, compiles)
+                       args.max_docs, phase, compiles, path, Path(args.folder))
         result["passes"].append(run)
         result["compiles"] = compiles
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         stats = run["stats"]
-        print(f"{args.workload} {args.mode} pass {p}: wall {run['wall_s']:.2f} s, "
+        print(f"{args.workload} {args.mode} pass {p} ({path}): wall {run['wall_s']:.2f} s, "
               f"{run['iterations']} iterations; prefill {run['phase_s'].get('prefill', 0):.2f} s, "
               f"decode {run['phase_s'].get('decode', 0):.2f} s; graph steps {run['graph_use']}; "
               f"Triton compiles {run['compiles']} ({run['compile_s']:.1f} s); first answer "
               f"{run['first_answer_s']:.2f} s; steps {stats['steps']}, max batch "
               f"{stats['max_batch_requests']}", flush=True)
         print("  decode steps by batch:", Counter(run["decode_steps_by_batch"]).most_common(8))
+        print("  phases:", {k: round(v, 2) for k, v in run["phase_s"].items()},
+              {k: v for k, v in run.items() if k.endswith("_s") and k not in ("wall_s", "phase_s")})
     print("compiles by phase:", dict(compiles["by_phase_s"]))
     for phase_name, name, seconds, key in compiles["kernels"][:30]:
         print(f"  {phase_name:8s} {name:28s} {seconds:6.2f} s  {key[:110]}")
