@@ -226,3 +226,42 @@ def test_time_charged_to_answers_fits_in_the_session(tmp_path: Path) -> None:
     charged = sum(a.prefill_s + a.decode_s for a in got.values())
     assert len(got) == 6 and all(a.decode_s > 0 for a in got.values())
     assert 0 < charged <= wall
+
+
+def test_a_new_documents_cascade_group_waits_for_room(tmp_path: Path, monkeypatch) -> None:
+    """With the batch nearly full of one document's cascade requests, a second document's
+    group does not start on the first row that frees (it would read its whole document every
+    step for one query): it starts when a quarter of the rows are free, and its questions
+    then join the steps of the first document's; tokens stay stock's (fp32)."""
+    eng = tiny_engine("tiny-gqa", seed=4, max_batch_requests=8)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(3)
+    first = _requests(rng, text(rng, 120), 8, tmpl, "first", budget=12)
+    first[0].sampling = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    first[1].sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    second = _requests(rng, text(rng, 90), 5, tmpl, "second", budget=4)
+    expected = _reference(eng, first + second)
+
+    steps: list[tuple[int, int]] = []  # (requests of "first", of "second") in each decode step
+    build = Scheduler.decode_step
+
+    def recording(self, requests, **kw):
+        tags = [r.streams[0].key.key[0] for r in requests]
+        steps.append((tags.count("first"), tags.count("second")))
+        return build(self, requests, **kw)
+
+    monkeypatch.setattr(Scheduler, "decode_step", recording)
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(first, mode="cascade")
+    session.submit(second, mode="cascade")
+    session.drain()
+    session.close()
+
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key
+    joined = next(i for i, (_, b) in enumerate(steps) if b)
+    # One row was free from the third step on; the second group waited for two (8 // 4).
+    assert any(a == 7 and b == 0 for a, b in steps[:joined])
+    assert steps[joined][0] == 6
+    assert max(a + b for a, b in steps) == 8

@@ -98,15 +98,23 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------
 
     def admit(self) -> list[Request]:
-        """Move requests from the queue to running while rows, KV and the prefill budget allow."""
+        """Move requests from the queue to running while rows, KV and the prefill budget allow.
+        A cascade group of a document that nothing holds yet starts only with room for a
+        share of it (`_room_for_group`)."""
         admitted: list[Request] = []
         tokens = 0
         self.admit_blocked = False
+        started = {r.doc_key for r in (*self.prefilling, *self.running)}
         while self.waiting:
-            if self.active + len(admitted) >= self.max_batch_requests:
+            free_rows = self.max_batch_requests - self.active - len(admitted)
+            if free_rows <= 0:
                 self.admit_blocked = True
                 break
             req = self.waiting[0]
+            if (req.mode == "cascade" and started and req.doc_key not in started
+                    and not self._room_for_group(req.doc_key, free_rows)):
+                self.admit_blocked = True  # retried when a request leaves
+                break
             q_tokens = req.prefill_tokens
             if admitted and tokens + q_tokens > self.max_prefill_tokens:
                 break  # the next `admit` takes more
@@ -115,6 +123,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             admitted.append(req)
+            started.add(req.doc_key)
             tokens += q_tokens
         if not admitted and self.waiting and not self.active:
             req = self.waiting[0]
@@ -124,6 +133,21 @@ class Scheduler:
                 f"({self.pool.allocator.num_free} free, {self.table.num_free_rows} free rows)")
         self.prefilling.extend(admitted)
         return admitted
+
+    def _room_for_group(self, doc_key, free_rows: int) -> bool:
+        """Whether a new document's cascade group may start beside the requests running: with
+        rows free for all of its waiting requests, or for a quarter of the batch if it has more.
+        Started on one free row, the group's first requests would read the whole document every
+        step for a few queries, and the steps mixing two documents' groups would repeat for
+        every row freed one at a time; the document, its prefill and its questions wait instead
+        until a sizeable group can start."""
+        need = max(1, self.max_batch_requests // 4)
+        count = 0
+        for req in self.waiting:
+            if req.doc_key != doc_key or count >= need:
+                break
+            count += 1
+        return free_rows >= min(count, need)
 
     def _allocate(self, req: Request) -> bool:
         if self.table.num_free_rows == 0:
