@@ -76,6 +76,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     prewarm)  # the default Triton cache made warm for the 7B preset, so that the e2e steps'
       # first process (stock's, with one pass) does not pay the compiling that the other skips
       step prewarm 120 python3 -c "from ppqa import Engine; Engine('dummy:codellama-7b+bpe', device='cuda').warmup()" ;;
+    prewarmq)  # the same for the Qwen2.5-7B preset of `loogle` and `quality`
+      step prewarmq 120 python3 -c "from ppqa import Engine; Engine('dummy:qwen2.5-7b+bpe', device='cuda').warmup()" ;;
     quality) e2e quality 150 --max-docs 20 ;;
     loogle) e2e loogle 170 --max-docs 8 ;;
     paper) e2e paper 260 ;;

@@ -64,3 +64,18 @@ def test_user_template_errors_are_clear(tmp_path):
         load_template(str(bad))
     with pytest.raises(ValueError, match="cannot read template"):
         load_template(str(tmp_path / "absent.jinja"))
+
+
+def test_a_template_file_is_compiled_once_per_text(tmp_path):
+    """A worker loads the template of every job it claims: the same text gives the same
+    compiled template, and an edited file is read and compiled afresh."""
+    path = tmp_path / "mine.jinja"
+    body = "{% block question %}Q: {{ question }}{% endblock %}"
+    path.write_text("{% block prefix %}Doc: {{ document }}{% endblock %}" + body)
+    first = load_template(str(path))
+    assert load_template(str(path)) is first
+    path.write_text("{% block prefix %}Text: {{ document }}{% endblock %}" + body)
+    edited = load_template(str(path))
+    assert edited is not first
+    assert render_block(edited, "prefix", {"document": DOC}) == "Text: " + DOC
+    assert render_block(first, "prefix", {"document": DOC}) == "Doc: " + DOC
