@@ -80,6 +80,10 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step prewarmq 120 python3 -c "from ppqa import Engine; Engine('dummy:qwen2.5-7b+bpe', device='cuda').warmup()" ;;
     quality) e2e quality 150 --max-docs 20 ;;
     loogle) e2e loogle 170 --max-docs 8 ;;
+    loogle2) e2e loogle 280 --max-docs 8 --passes 2 ;;  # a second pass in the other order: both warm
+    ltimeline)  # loogle through the worker twice in one process: compilations and eager steps
+      step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
+        --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;
     paper) e2e paper 260 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
     arrivals) e2e arrivals 200 --max-docs 50 --arrival-seconds 30 ;;
