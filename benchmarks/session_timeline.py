@@ -6,7 +6,9 @@ prefill (document chunks and question prefill, host wall including its synchroni
 decode (launch, and the read-back of the step before). It counts decode steps by kind and batch
 size, which of them replayed a CUDA graph and which ran eagerly, and the Triton compilations
 (and their seconds) that happened inside the run. Against the run's floors, this says how much
-of `ppqa run`'s time is the engine's own loop.
+of `ppqa run`'s time is the engine's own loop. The phases are host wall time: a prefill chunk
+launched while others decode is not waited for, so its device time shows in the decode
+read-back after it; the pass's wall time is exact.
 
 `--paths session,worker,session` runs the passes alternately through a bare session and through
 the real worker (`ppqa.worker.loop.Worker` over a fresh SQLite store that `ppqa ingest --batch`
