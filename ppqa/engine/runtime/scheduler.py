@@ -3,7 +3,9 @@
 Requests wait in arrival order (callers submit each document's requests together). `admit` takes
 requests from the head of the queue while a req_to_token row is free and the pool can hold the
 request's document (cached, or newly allocated, evicting unused documents) plus its reservation
-(every question and its whole answer budget, so a running request never runs out of KV).
+(every question and its whole answer budget, so a running request never runs out of KV); a
+cascade group of a document that no admitted request holds waits until a share of the rows is
+free (`_room_for_group`).
 Admitted requests wait in `prefilling` while their document is prefilled in chunks
 (`document_chunk`, at most `max_prefill_tokens` a forward, so running requests keep decoding
 between chunks); then `questions_ready` hands out those whose document is ready, and
