@@ -265,3 +265,41 @@ def test_a_new_documents_cascade_group_waits_for_room(tmp_path: Path, monkeypatc
     assert any(a == 7 and b == 0 for a, b in steps[:joined])
     assert steps[joined][0] == 6
     assert max(a + b for a, b in steps) == 8
+
+
+@pytest.mark.parametrize("max_batch", [8, 12])
+def test_small_batches_with_waiting_groups_finish_every_question(tmp_path: Path, max_batch) -> None:
+    """Groups of every mode arriving while a batch of a few rows is full: cascade groups of new
+    documents wait for room, the others queue behind them in order, and every question is
+    still answered with stock's tokens (fp32): the admission rule never leaves work stranded."""
+    eng = tiny_engine("tiny-mha", seed=6, max_batch_requests=max_batch)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(max_batch)
+    docs = [text(rng, n) for n in (90, 60, 120, 40)]
+    arrivals = [(_requests(rng, docs[0], 7, tmpl, "a", budget=10), "cascade"),
+                (_requests(rng, docs[1], 3, tmpl, "b", budget=10), "stock"),
+                (_requests(rng, docs[2], 9, tmpl, "c"), "cascade"),
+                (_requests(rng, docs[0], 3, tmpl, "d"), "cascade"),
+                (_requests(rng, docs[3], 3, tmpl, "e"), "parallel")]
+    expected = _reference(eng, [r for batch, _ in arrivals for r in batch])
+    waited = []
+    room = Scheduler._room_for_group
+
+    def recording(self, doc_key, free_rows):
+        fits = room(self, doc_key, free_rows)
+        waited.append(not fits)
+        return fits
+
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.sched._room_for_group = recording.__get__(session.sched)
+    for requests, mode in arrivals:
+        session.submit(requests, mode=mode, streams=2 if mode == "parallel" else None)
+        session.step()
+        assert session.active_requests <= max_batch
+    session.drain()
+    stats = session.close()
+    assert any(waited)  # a new document's group did wait for room
+    assert set(got) == set(expected) and stats.questions == len(expected)
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key
