@@ -215,7 +215,7 @@ def test_a_large_batch_of_choices_is_split_into_bounded_forwards(tmp_path: Path,
         seen.append((len(requests), plan.logit_indices.numel()))
         return plan
 
-    monkeypatch.setattr("ppqa.engine.runtime.scheduler.score_layout", spy)
+    monkeypatch.setattr("ppqa.engine.runtime.steps.score_layout", spy)
     monkeypatch.setattr("ppqa.engine.session.split_by_rows",
                         lambda reqs: scoring.split_by_rows(reqs, cap))
     split = scored(engine, items, tmpl, "parallel")
