@@ -184,7 +184,7 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     session = worker._session
     stats = session.stats
     done = sum(1 for j in summary.jobs if j.status == "done")
-    return t0, stats.steps, wall, stats, {
+    return t0, tally.calls["decode"], wall, stats, {
         "ingest_s": ingest_s, "jobs_done": done, "jobs": len(summary.jobs),
         "worker_wall_s": summary.wall_seconds, "questions_answered": summary.questions}
 

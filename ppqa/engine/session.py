@@ -46,8 +46,9 @@ from ppqa.engine.runtime.grammar import fill_later
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.sampling import FILL, sample
-from ppqa.engine.runtime.scheduler import PlannedStep, Scheduler
+from ppqa.engine.runtime.scheduler import Scheduler
 from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
+from ppqa.engine.runtime.steps import PlannedStep, score_step
 from ppqa.modes import check_mode
 
 AnswerCallback = Callable[[QuestionRequest, Answer], None]
@@ -272,7 +273,7 @@ class EngineSession:
         whose choices are all scored, and free the requests (engine/scoring.py)."""
         begin = time.perf_counter()
         cascade = self._grouped_prefill or any(r.mode == "cascade" for r in requests)
-        inputs, plan = self.sched.score_step(requests, cascade=cascade)
+        inputs, plan = score_step(requests, cascade=cascade)
         logprobs = choice_logprobs(self._run(inputs), plan)  # waits for the device
         self.stats.steps += 1
         self.stats.prefilled_tokens += inputs.num_tokens

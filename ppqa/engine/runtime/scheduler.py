@@ -42,7 +42,6 @@ from ppqa.engine.runtime.kv_cache import CachedDocument, DocumentCache, KVPool, 
 from ppqa.engine.runtime.layout import document_layout
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.runner import StepInputs
-from ppqa.engine.runtime.scoring import ScoreLayout
 from ppqa.engine.runtime.steps import PlannedStep
 
 
@@ -126,7 +125,8 @@ class Scheduler:
         Started on one free row, the group's first requests would read the whole document every
         step for a few queries, and the steps mixing two documents' groups would repeat for
         every row freed one at a time; the document, its prefill and its questions wait instead
-        until a sizeable group can start."""
+        until a sizeable group can start (on the paper mix through the worker: 21.3 -> 16.1 s,
+        benchmarks/results/h200/wtimeline_paper_s13c1.json against ..._s13c2.json)."""
         need = max(1, self.max_batch_requests // 4)
         count = 0
         for req in self.waiting:
@@ -255,11 +255,6 @@ class Scheduler:
     def prefill_step(self, requests: Sequence[Request], cascade: bool = False) -> PlannedStep:
         """One packed extend of the questions of newly admitted requests (steps.prefill_step)."""
         return steps.prefill_step(requests, next(self._step_ids), cascade)
-
-    def score_step(self, requests: Sequence[Request], cascade: bool = False
-                   ) -> tuple[StepInputs, ScoreLayout]:
-        """One packed extend of scoring requests (steps.score_step)."""
-        return steps.score_step(requests, cascade)
 
     def retire(self, requests: Sequence[Request]) -> None:
         """Scored requests leave at once: nothing of theirs decodes."""
