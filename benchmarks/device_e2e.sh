@@ -5,7 +5,8 @@
 # serve against ingest/run, and the decode step with a JSON schema's mask against without. Each step has its own time limit; logs and JSON go to $OUT.
 # Run on a fresh machine (its Triton cache is empty), from the repo root, with `.whl` (the
 # wheels the device lacks) and `.carry` (PPQA_HOME with the saved BPE tokenizer) carried.
-# STEPS="startup pytest ..." runs a subset, in that order; HELPERS=1 starts compile helpers in the
+# STEPS="startup pytest ..." runs a subset, in that order; BYTECODE=1 keeps compiled bytecode
+# between processes (PYTHONPYCACHEPREFIX), as a pip install does; HELPERS=1 starts compile helpers in the
 # start-up profiles (as `ppqa run` does), PROFILE=1 profiles the warm one; DEADLINE (s) bounds
 # the whole call so that the archive is always written.
 # `.whl` holds cp312 manylinux wheels of what the device image lacks (device README, Notes):
@@ -23,6 +24,15 @@ if [ -d .whl ] || [ ! -d /tmp/site ]; then  # a later call on the same machine m
     --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PPQA_HOME=$PWD/.carry/home PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+
+if [ -n "${BYTECODE:-}" ]; then  # as after a pip install: sources compiled to bytecode once
+  # (the device image sets PYTHONDONTWRITEBYTECODE and ships none, so each process compiles
+  # torch's sources again: `import torch` ~4 s instead of ~2, results/h200/import_times.log)
+  unset PYTHONDONTWRITEBYTECODE
+  export PYTHONPYCACHEPREFIX=/tmp/pycache
+  python3 -c "import torch, triton, sqlalchemy, pydantic, rich, typer, ppqa.engine, ppqa.cli.app" \
+    > /dev/null 2>&1 || echo "bytecode warm-up import failed"
+fi
 
 DEADLINE=${DEADLINE:-570}  # seconds: no step starts or runs past it, so the archive is always made
 step() {  # step NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, a short tail here
@@ -63,6 +73,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     pytest)
       step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
         tests/kernels/test_triton_scoring.py ;;
+    sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
+      step sdpa 150 python3 benchmarks/sdpa_lengths.py --out "$OUT/sdpa_lengths.json" ;;
     prefill)
       step prefill 150 python3 benchmarks/profile_prefill.py --doc-tokens 8192,16384,20480 \
         --questions 64 --question-tokens 20 --alone --out "$OUT/prefill.json" ;;

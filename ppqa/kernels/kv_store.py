@@ -14,7 +14,9 @@ import triton.language as tl
 from ppqa.kernels import _arch
 
 
-@triton.jit
+# Counts and offsets that change from step to step are not specialised on (== 1, a multiple
+# of 16): each such class of values would be one more variant to compile.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_kernel(
     K_pool, V_pool, Slots, K, V, num_tokens,
     stride_pool_s, stride_pool_h, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -17,7 +17,9 @@ import triton.language as tl
 from ppqa.kernels import _arch
 
 
-@triton.jit
+# Counts and offsets that change from step to step are not specialised on (== 1, a multiple
+# of 16): each such class of values would be one more variant to compile.
+@triton.jit(do_not_specialize=["num_rows", "num_states", "stride_lt", "stride_lh"])
 def _merge_kernel(
     Part_o, Part_lse, O, Lse,
     num_rows, num_heads, num_states,

@@ -1,6 +1,7 @@
 """A document's first prefill chunk in bf16 goes through torch's fused causal attention
-(`TritonBackend._fused_causal`); it must give what the extend kernel gives for the same chunk
-(the stream rule with every token a document token is plain causal attention)."""
+(`TritonBackend._fused_causal`), at its length rounded up to `causal_bucket` with zero rows;
+it must give what the extend kernel gives for the same chunk (the stream rule with every token
+a document token is plain causal attention), whatever the padding."""
 
 import dataclasses
 
@@ -15,8 +16,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("model", ["tiny-gqa", "tiny-hd128"])
-def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
+@pytest.mark.parametrize("model,bucket", [("tiny-gqa", 512), ("tiny-hd128", 512),
+                                          ("tiny-gqa", 1), ("tiny-hd128", 4096)])
+def test_first_chunk_fused_causal_matches_the_extend_kernel(model, bucket):
     eng = Engine(f"dummy:{model}", device="cuda", dtype="bfloat16",
                  config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=700))
     cfg = eng.model_config
@@ -35,6 +37,7 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
     assert not second.plain_causal  # it reads the first chunk from the pool
     _, meta = eng.parts.runner.prepare(first)
     backend = eng.parts.backend
+    backend.causal_bucket = bucket  # 700 rows: padded to 1024, unpadded, padded to 4096
     t, h, hk, d = first.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
@@ -46,6 +49,7 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
         q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(h // hk, 0),
         v.float().transpose(0, 1).repeat_interleave(h // hk, 0), is_causal=True,
         scale=d ** -0.5).transpose(0, 1)
+    assert fused.shape == q.shape and torch.isfinite(fused).all()
     for got in (fused, kernel):
         err = (got.float() - ref).norm() / ref.norm()
         assert err < 1e-2, err
