@@ -65,10 +65,10 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
-    startup_alt)  # another helper layout on an empty cache (ALT_GROUPS, startup_profile --groups)
+    startup_alt)  # another helper count on an empty cache (ALT_SHARDS, startup_profile --shards)
       export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
       step startup_alt 120 python3 benchmarks/startup_profile.py --no-profile --helpers \
-        --groups "${ALT_GROUPS:?}" --out "$OUT/startup_alt.json"
+        --shards "${ALT_SHARDS:?}" --out "$OUT/startup_alt.json"
       unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \

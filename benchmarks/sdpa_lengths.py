@@ -102,11 +102,29 @@ def text_of(tokenizer, words: list[str], target: int, rng: random.Random) -> str
     return "".join(out)
 
 
+def count_compiles() -> list[float]:
+    """Seconds of each Triton kernel variant built (or loaded from disk) from now on."""
+    from triton.runtime.jit import JITFunction
+
+    seconds: list[float] = []
+    original = JITFunction._do_compile
+
+    def timed(self, *args, **kwargs):
+        began = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        seconds.append(time.perf_counter() - began)
+        return out
+
+    JITFunction._do_compile = timed
+    return seconds
+
+
 def engine_part(model: str, lengths: list[int], settings: list[int], seed: int) -> list[dict]:
     from ppqa import Engine, SamplingParams
 
     eng = Engine(model, device="cuda", dtype="bfloat16")
     warm = eng.warmup()
+    compiles = count_compiles()
     rng = random.Random(seed)
     words = [f" {w}" for w in ("harbor ferry morning river council bridge market winter "
                                "garden letter station village captain orchard lantern "
@@ -118,15 +136,20 @@ def engine_part(model: str, lengths: list[int], settings: list[int], seed: int) 
         # Lengths no earlier setting met: each setting shifts them by a few tokens.
         mine = [n + 7 * i for n in lengths]
         for attempt in ("new lengths", "same lengths"):
-            times, got = [], []
+            times, got, compiled = [], [], []
             for n in mine:
                 doc = text_of(eng.tokenizer, words, n, rng)
                 got.append(len(eng.tokenizer.encode(doc)))
+                before = len(compiles), sum(compiles)
                 times.append(wall_ms(lambda: eng.answer(doc, ["What is it about?"],
                                                         mode="stock", sampling=sampling)))
+                compiled.append([len(compiles) - before[0], round(sum(compiles) - before[1], 3)])
             rows.append({"part": "engine", "model": model, "bucket": bucket, "set": attempt,
-                         "lengths": got, "ms": times, "mean_ms": statistics.mean(times)})
-    return [{"part": "engine-warmup", "model": model, "seconds": warm}] + rows
+                         "lengths": got, "ms": times, "mean_ms": statistics.mean(times),
+                         "compiles": compiled})
+    backends = [str(b) for b in (eng.parts.backend._causal_backends or ())]
+    return [{"part": "engine-warmup", "model": model, "seconds": warm,
+             "causal_backends": backends}] + rows
 
 
 def main() -> None:
@@ -156,7 +179,7 @@ def main() -> None:
                   f"-> {r['padded']:5d}: {r['ms']:6.2f} ms ({r['tflops_real_rows']:.0f} TFLOP/s real)")
         elif r["part"] == "engine":
             print(f"engine bucket {r['bucket']:4d} {r['set']:12s} mean {r['mean_ms']:7.1f} ms "
-                  f"{[round(x) for x in r['ms']]}")
+                  f"{[round(x) for x in r['ms']]} compiles {r['compiles']}")
         elif r["part"] == "first":
             print(f"{r['model']:13s} {r['backend']:5s} L={r['length']:5d} error {r['error'][:80]}")
         else:
