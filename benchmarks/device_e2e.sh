@@ -74,7 +74,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
         tests/kernels/test_triton_scoring.py ;;
     sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
-      step sdpa 150 python3 benchmarks/sdpa_lengths.py --out "$OUT/sdpa_lengths.json" ;;
+      step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefill)
       step prefill 150 python3 benchmarks/profile_prefill.py --doc-tokens 8192,16384,20480 \
         --questions 64 --question-tokens 20 --alone --out "$OUT/prefill.json" ;;

@@ -156,6 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1999,2011,2053,3001,5687,5701,5749,7919,8123")
     ap.add_argument("--buckets", default="1,256,512,1024")
+    ap.add_argument("--no-raw", action="store_true", help="skip part 1 (SDPA alone)")
     ap.add_argument("--engine-model", default="dummy:qwen2.5-7b+bpe")
     ap.add_argument("--engine-lengths", default="5601,5655,5713,5780,5839,5902")
     ap.add_argument("--engine-buckets", default="1,512")
@@ -163,7 +164,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/sdpa_lengths.json")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    rows = raw_sdpa(ints(args.lengths), ints(args.buckets))
+    rows = [] if args.no_raw else raw_sdpa(ints(args.lengths), ints(args.buckets))
     if args.engine_model:
         rows += engine_part(args.engine_model, ints(args.engine_lengths),
                             ints(args.engine_buckets), args.seed)
