@@ -73,6 +73,9 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     pytest)
       step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
         tests/kernels/test_triton_scoring.py ;;
+    shards)  # which variants a worker's warm-up still compiles after the shard helpers, and why
+      step shards 200 python3 benchmarks/shard_check.py --models dummy:tiny-gqa,dummy:codellama-7b+bpe \
+        --out "$OUT/shard_check.json" ;;
     sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
       step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefill)

@@ -8,10 +8,10 @@ This measures:
      call at each of several distinct lengths against a second call at the same length (wall
      time, synchronised); then the steady time at each length rounded up to a bucket
      (`--buckets`), against the unpadded length (CUDA events, several calls);
-  2. through the engine (`dummy:<preset>+bpe`, after its warm-up), per `causal_bucket`
-     setting: documents of distinct lengths answered one after another (one question, one
-     token, stock), then documents of the same lengths with other words: the first set meets
-     new lengths, the second does not.
+  2. through the engine (`dummy:<preset>+bpe`, after its warm-up): documents of distinct
+     lengths answered one after another (one question, one token, stock), then documents of
+     the same lengths with other words: the first set meets new lengths, the second does not;
+     with the Triton variants each answer built, and the fused backend that took the chunks.
 
     python3 benchmarks/sdpa_lengths.py --out /tmp/sdpa_lengths.json
 
@@ -119,7 +119,7 @@ def count_compiles() -> list[float]:
     return seconds
 
 
-def engine_part(model: str, lengths: list[int], settings: list[int], seed: int) -> list[dict]:
+def engine_part(model: str, lengths: list[int], seed: int) -> list[dict]:
     from ppqa import Engine, SamplingParams
 
     eng = Engine(model, device="cuda", dtype="bfloat16")
@@ -131,22 +131,18 @@ def engine_part(model: str, lengths: list[int], settings: list[int], seed: int) 
                                "meadow quarry signal tower valley").split()]
     sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
     rows = []
-    for i, bucket in enumerate(settings):
-        eng.parts.backend.causal_bucket = bucket
-        # Lengths no earlier setting met: each setting shifts them by a few tokens.
-        mine = [n + 7 * i for n in lengths]
-        for attempt in ("new lengths", "same lengths"):
-            times, got, compiled = [], [], []
-            for n in mine:
-                doc = text_of(eng.tokenizer, words, n, rng)
-                got.append(len(eng.tokenizer.encode(doc)))
-                before = len(compiles), sum(compiles)
-                times.append(wall_ms(lambda: eng.answer(doc, ["What is it about?"],
-                                                        mode="stock", sampling=sampling)))
-                compiled.append([len(compiles) - before[0], round(sum(compiles) - before[1], 3)])
-            rows.append({"part": "engine", "model": model, "bucket": bucket, "set": attempt,
-                         "lengths": got, "ms": times, "mean_ms": statistics.mean(times),
-                         "compiles": compiled})
+    for attempt in ("new lengths", "same lengths"):
+        times, got, compiled = [], [], []
+        for n in lengths:
+            doc = text_of(eng.tokenizer, words, n, rng)
+            got.append(len(eng.tokenizer.encode(doc)))
+            before = len(compiles), sum(compiles)
+            times.append(wall_ms(lambda: eng.answer(doc, ["What is it about?"],
+                                                    mode="stock", sampling=sampling)))
+            compiled.append([len(compiles) - before[0], round(sum(compiles) - before[1], 3)])
+        rows.append({"part": "engine", "model": model, "set": attempt,
+                     "lengths": got, "ms": times, "mean_ms": statistics.mean(times),
+                     "compiles": compiled})
     backends = [str(b) for b in (eng.parts.backend._causal_backends or ())]
     return [{"part": "engine-warmup", "model": model, "seconds": warm,
              "causal_backends": backends}] + rows
@@ -159,15 +155,13 @@ def main() -> None:
     ap.add_argument("--no-raw", action="store_true", help="skip part 1 (SDPA alone)")
     ap.add_argument("--engine-model", default="dummy:qwen2.5-7b+bpe")
     ap.add_argument("--engine-lengths", default="5601,5655,5713,5780,5839,5902")
-    ap.add_argument("--engine-buckets", default="1,512")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="/tmp/sdpa_lengths.json")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     rows = [] if args.no_raw else raw_sdpa(ints(args.lengths), ints(args.buckets))
     if args.engine_model:
-        rows += engine_part(args.engine_model, ints(args.engine_lengths),
-                            ints(args.engine_buckets), args.seed)
+        rows += engine_part(args.engine_model, ints(args.engine_lengths), args.seed)
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
                    "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
@@ -179,7 +173,7 @@ def main() -> None:
             print(f"{r['model']:13s} {r['backend']:5s} L={r['length']:5d} bucket {r['bucket']:4d} "
                   f"-> {r['padded']:5d}: {r['ms']:6.2f} ms ({r['tflops_real_rows']:.0f} TFLOP/s real)")
         elif r["part"] == "engine":
-            print(f"engine bucket {r['bucket']:4d} {r['set']:12s} mean {r['mean_ms']:7.1f} ms "
+            print(f"engine {r['set']:12s} mean {r['mean_ms']:7.1f} ms "
                   f"{[round(x) for x in r['ms']]} compiles {r['compiles']}")
         elif r["part"] == "first":
             print(f"{r['model']:13s} {r['backend']:5s} L={r['length']:5d} error {r['error'][:80]}")

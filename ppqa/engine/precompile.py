@@ -172,10 +172,13 @@ def owner(key: object, shards: int) -> int:
     return int.from_bytes(digest[:8], "big") % shards
 
 
-def shard_hook(index: int, shards: int):
+def shard_hook(index: int, shards: int, seen: list | None = None):
     """A Triton `jit_cache_hook` for shard `index` of `shards`: True (Triton then neither
-    compiles nor launches the variant) for the variants other shards own."""
-    def hook(*, key, **_) -> bool:
+    compiles nor launches the variant) for the variants other shards own. `seen`, if given,
+    collects (kernel name, key) of every variant met (benchmarks/shard_check.py)."""
+    def hook(*, key, fn=None, **_) -> bool:
+        if seen is not None:
+            seen.append((getattr(fn, "name", "?"), str(key)))
         return owner(key, shards) != index
     return hook
 
@@ -243,13 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         index, shards = (int(x) for x in args.shard.split("/"))
         import triton
 
-        triton.knobs.runtime.jit_cache_hook = shard_hook(index, shards)
+        seen: list | None = [] if os.environ.get("PPQA_SHARD_KEYS") else None
+        triton.knobs.runtime.jit_cache_hook = shard_hook(index, shards, seen)
     built = time.time() - origin
     seconds = []
     for name in wanted:
         t0 = time.perf_counter()
         phases[name]()
         seconds.append([name, round(time.perf_counter() - t0, 3)])
+    if args.shard and seen is not None:  # every variant this helper met, for shard_check.py
+        Path(os.environ["PPQA_SHARD_KEYS"], f"shard-{index}.json").write_text(json.dumps(seen))
     # The last line is the report `wait` reads: seconds since the worker started the helpers.
     print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
                       "phase_s": seconds, "done_s": round(time.time() - origin, 3)}))

@@ -1,7 +1,6 @@
 """A document's first prefill chunk in bf16 goes through torch's fused causal attention
-(`TritonBackend._fused_causal`), at its length rounded up to `causal_bucket` with zero rows;
-it must give what the extend kernel gives for the same chunk (the stream rule with every token
-a document token is plain causal attention), whatever the padding."""
+(`TritonBackend._fused_causal`); it must give what the extend kernel gives for the same chunk
+(the stream rule with every token a document token is plain causal attention)."""
 
 import dataclasses
 
@@ -16,9 +15,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("model,bucket", [("tiny-gqa", 512), ("tiny-hd128", 512),
-                                          ("tiny-gqa", 1), ("tiny-hd128", 4096)])
-def test_first_chunk_fused_causal_matches_the_extend_kernel(model, bucket):
+@pytest.mark.parametrize("model", ["tiny-gqa", "tiny-hd128"])
+def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
     eng = Engine(f"dummy:{model}", device="cuda", dtype="bfloat16",
                  config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=700))
     cfg = eng.model_config
@@ -37,7 +35,6 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model, bucket):
     assert not second.plain_causal  # it reads the first chunk from the pool
     _, meta = eng.parts.runner.prepare(first)
     backend = eng.parts.backend
-    backend.causal_bucket = bucket  # 700 rows: padded to 1024, unpadded, padded to 4096
     t, h, hk, d = first.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
@@ -49,7 +46,6 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model, bucket):
         q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(h // hk, 0),
         v.float().transpose(0, 1).repeat_interleave(h // hk, 0), is_causal=True,
         scale=d ** -0.5).transpose(0, 1)
-    assert fused.shape == q.shape and torch.isfinite(fused).all()
     for got in (fused, kernel):
         err = (got.float() - ref).norm() / ref.norm()
         assert err < 1e-2, err

@@ -37,11 +37,6 @@ from ppqa.kernels.merge import PartialScratch, merge_attention_states, merge_par
 # (or 16 splits of a 256-request decode step); the CPU interpreter needs far less.
 GPU_SCRATCH_BYTES = 256 << 20
 CPU_SCRATCH_BYTES = 16 << 20
-# A first chunk's fused causal attention runs at its length rounded up to a multiple of this:
-# cuDNN builds an execution plan for every sequence length it meets (tens to hundreds of ms,
-# benchmarks/results/h200/sdpa_lengths.json), and documents seldom share a length. Rows past
-# the chunk's end are zeros that no real row sees (causal), and their outputs are dropped.
-CAUSAL_BUCKET_TOKENS = 512
 
 
 @dataclass
@@ -73,7 +68,6 @@ class TritonBackend:
         # The fused causal backend that took a document's first chunk: None until tried,
         # () when none does (see _fused_causal).
         self._causal_backends: tuple | None = None
-        self.causal_bucket = CAUSAL_BUCKET_TOKENS
         self._plan = StepPlan(1)
         # High priority: the block scheduler then places the document product's few long CTAs
         # before the suffix's many short ones, which fill the room left beside them.
@@ -147,9 +141,7 @@ class TritonBackend:
             return False
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        n = q.shape[0]
-        padded = -(-n // self.causal_bucket) * self.causal_bucket
-        qh, kh, vh = (_heads_first(x, padded) for x in (q, k, v))
+        qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
         gqa = qh.shape[1] != kh.shape[1]
         candidates = self._causal_backends or (SDPBackend.CUDNN_ATTENTION,
                                                 SDPBackend.FLASH_ATTENTION)
@@ -161,7 +153,7 @@ class TritonBackend:
             except RuntimeError:
                 continue
             self._causal_backends = (backend,)
-            o.copy_(out[0, :, :n].transpose(0, 1))
+            o.copy_(out[0].transpose(0, 1))
             return True
         self._causal_backends = ()
         return False
@@ -221,12 +213,3 @@ class TritonBackend:
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
         merge_partials(part_o, part_lse, o)
-
-
-def _heads_first(x: torch.Tensor, length: int) -> torch.Tensor:
-    """[T, H, D] -> [1, H, length, D], a copy whose rows past T are zeros (finite: a causal
-    kernel multiplies their masked probabilities, exactly 0, by them)."""
-    out = x.new_empty((1, x.shape[1], length, x.shape[2]))
-    out[0, :, :x.shape[0]].copy_(x.transpose(0, 1))
-    out[0, :, x.shape[0]:].zero_()
-    return out
