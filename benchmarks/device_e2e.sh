@@ -65,17 +65,14 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
-    startup_alt)  # another helper count on an empty cache (ALT_SHARDS, startup_profile --shards)
+    startup_alt)  # another helper layout on an empty cache (ALT_GROUPS, startup_profile --groups)
       export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
       step startup_alt 120 python3 benchmarks/startup_profile.py --no-profile --helpers \
-        --shards "${ALT_SHARDS:?}" --out "$OUT/startup_alt.json"
+        --groups "${ALT_GROUPS:?}" --out "$OUT/startup_alt.json"
       unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
         tests/kernels/test_triton_scoring.py ;;
-    shards)  # which variants a worker's warm-up still compiles after the shard helpers, and why
-      step shards 200 python3 benchmarks/shard_check.py --models dummy:tiny-gqa,dummy:codellama-7b+bpe \
-        --out "$OUT/shard_check.json" ;;
     sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
       step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefill)
@@ -96,6 +93,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     quality) e2e quality 150 --max-docs 20 ;;
     loogle) e2e loogle 170 --max-docs 8 ;;
     loogle2) e2e loogle 280 --max-docs 8 --passes 2 ;;  # a second pass in the other order: both warm
+    quality2) e2e quality 200 --max-docs 20 --passes 2 ;;
+    bench16k)  # the engine alone: the paper grid's 16k/256 cell, cached document
+      step bench16k 200 python3 -m ppqa bench --model dummy:codellama-7b --doc-tokens 16384 \
+        --questions 256 --max-new-tokens 128 --seeds 0 --streams 64 --modes stock,cascade,auto \
+        --cuda-graphs --out "$OUT/bench16k.json" ;;
     ltimeline)  # loogle through the worker twice in one process: compilations and eager steps
       step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
         --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;

@@ -38,17 +38,17 @@ def main() -> None:
     ap.add_argument("--helpers", action="store_true",
                     help="start compile helpers first, as `ppqa run` does (engine/precompile.py; "
                          "none start where the Triton cache holds this model's marker)")
-    ap.add_argument("--shards", type=int, default=None,
-                    help="with --helpers: how many helpers share the kernel variants out "
-                         "(default precompile.SHARDS)")
+    ap.add_argument("--groups", default=None,
+                    help="with --helpers: the warm-up phases per helper, to compare layouts "
+                         "(e.g. 'long|many|few-stock,mixed'; default precompile.HELPER_PHASES)")
     args = ap.parse_args()
     phases = {}
     if args.helpers:
         from ppqa.engine import precompile
 
-        if args.shards:
-            precompile.SHARDS = args.shards
-        phases["helper_shards"] = precompile.SHARDS
+        if args.groups:
+            precompile.HELPER_PHASES = tuple(tuple(g.split(",")) for g in args.groups.split("|"))
+        phases["helper_groups"] = [list(g) for g in precompile.HELPER_PHASES]
         phases["helpers_started"] = len(precompile.start(args.model, args.device))
     t = time.perf_counter()
     import torch

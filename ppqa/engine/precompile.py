@@ -3,16 +3,12 @@
 On a machine whose Triton cache has never held this engine's kernels, `Engine.warmup` compiles
 a few dozen kernel variants one after another (~20 s on the H200 for a 7B model,
 results/h200/startup_cold_phases.json). A worker that starts helpers before it imports torch
-gets them compiled in parallel instead. Each helper is a child process that builds a two-layer
-copy of the model (the same dimensions, random weights, a small KV pool) and runs the whole
-warm-up (`Engine.warmup_phases`, in order, so that it meets every variant the worker's warm-up
-will), but owns only a shard of the kernel variants: a Triton hook lets it compile and launch
-the variants whose cache key hashes to its shard and skips the others (neither compiled nor
-launched: their outputs stay garbage, which a throwaway copy of the model can afford). So every
-variant is compiled once, by one helper, into the shared Triton cache. The worker meanwhile
-imports torch and loads its weights; before it sizes its KV pool (which takes a share of the
-GPU memory then free) it waits for the helpers to exit, and its own warm-up then finds the
-kernels on disk.
+gets them compiled in parallel instead: each helper is a child process that builds a two-layer
+copy of the model (the same dimensions, random weights, a small KV pool) and runs some of the
+warm-up's phases (`Engine.warmup_phases`), which writes the compiled kernels into the shared
+Triton cache. The worker meanwhile imports torch and loads its weights; before it sizes its KV
+pool (which takes a share of the GPU memory then free) it waits for the helpers to exit, and its
+own warm-up then finds the kernels on disk.
 
 A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
 configuration and kernel source has completed there; helpers start only where it is missing, so
@@ -36,9 +32,14 @@ import time
 from pathlib import Path
 
 MARKER_PREFIX = "ppqa-warm-"
-# Helpers started on an empty cache: each compiles about 1/SHARDS of the variants, after ~2.5 s
-# of building its engine; the CPUs beyond the worker's own share of them.
-SHARDS = max(2, min(8, (os.cpu_count() or 4) - 2))
+# The warm-up's phases, grouped per helper. Groups keep the warm-up's order: the later phases
+# meet documents that the earlier ones left cached (and placed in the pool), paths of their own
+# that a phase run alone does not meet. A helper's first phase also compiles the kernels every
+# phase shares (~6.5 s of its 8-11 s). Seven one-phase helpers, each phase run twice, ended no
+# sooner (ready 25.4 s against 25.0 with these four) and left the worker's warm-up two extend
+# variants to compile (results/h200/startup_cold_helpers7_s12.json, startup_cold_helpers4_s12c4.json).
+HELPER_PHASES = (("long",), ("many",), ("few-stock", "few-cascade", "few-parallel", "mixed"),
+                 ("few-cascade", "choices"))
 # EngineConfig fields that change which kernels the warm-up meets and that a worker knows
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
@@ -46,14 +47,14 @@ _WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worke
 
 _started: list[Helper] = []  # helpers this process started and has not waited for
 last_wait: tuple[int, int, float] | None = None  # (finished well, started, seconds waited)
-# The last wait's helpers: their shard, exit code, and their own timing report (`main`'s last
+# The last wait's helpers: their phases, exit code, and their own timing report (`main`'s last
 # line: seconds from the start call to its engine built, and to its phases done).
 last_reports: list[dict] = []
 
 
 @dataclasses.dataclass
 class Helper:
-    shard: str  # "i/n": the variants this helper compiles
+    phases: tuple[str, ...]
     process: subprocess.Popen
     log: Path
 
@@ -112,15 +113,15 @@ def start(model: str, device: str | None, fields: dict | None = None) -> list[He
     logs = Path(tempfile.mkdtemp(prefix="ppqa-compile-"))
     started = time.time()
     helpers = []
-    for i in range(SHARDS):
+    for i, phases in enumerate(HELPER_PHASES):
         log = logs / f"helper-{i}.log"
         with open(log, "w") as out:
             command = [sys.executable, "-m", "ppqa.engine.precompile", "--model", model,
-                       "--device", device or "cuda", "--shard", f"{i}/{SHARDS}",
+                       "--device", device or "cuda", "--phases", ",".join(phases),
                        "--fields", json.dumps(fields), "--started", repr(started)]
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        helpers.append(Helper(f"{i}/{SHARDS}", process, log))
+        helpers.append(Helper(phases, process, log))
     _started.extend(helpers)
     return helpers
 
@@ -141,7 +142,7 @@ def wait(timeout: float = _WAIT_SECONDS) -> tuple[int, int]:
             helper.process.kill()
             helper.process.wait()
     last_wait = (ok, len(helpers), time.monotonic() - began)
-    last_reports[:] = [{"shard": h.shard, "rc": h.process.returncode, **_report(h.log)}
+    last_reports[:] = [{"phases": list(h.phases), "rc": h.process.returncode, **_report(h.log)}
                        for h in helpers]
     return ok, len(helpers)
 
@@ -163,24 +164,6 @@ def stop() -> None:
         if helper.process.poll() is None:
             helper.process.kill()
             helper.process.wait()
-
-
-def owner(key: object, shards: int) -> int:
-    """The shard that compiles the kernel variant with Triton cache key `key`: the same in
-    every process (a digest of the key's text, not Python's salted hash)."""
-    digest = hashlib.sha256(str(key).encode()).digest()
-    return int.from_bytes(digest[:8], "big") % shards
-
-
-def shard_hook(index: int, shards: int, seen: list | None = None):
-    """A Triton `jit_cache_hook` for shard `index` of `shards`: True (Triton then neither
-    compiles nor launches the variant) for the variants other shards own. `seen`, if given,
-    collects (kernel name, key) of every variant met (benchmarks/shard_check.py)."""
-    def hook(*, key, fn=None, **_) -> bool:
-        if seen is not None:
-            seen.append((getattr(fn, "name", "?"), str(key)))
-        return owner(key, shards) != index
-    return hook
 
 
 def shadow_engine(model: str, device: str, fields: dict):
@@ -225,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "model, filling the Triton cache (a compile helper).")
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", required=True)
-    ap.add_argument("--phases", default=None,
-                    help="warm-up phase names, comma-separated (default: all, in order)")
-    ap.add_argument("--shard", default=None,
-                    help="I/N: compile only the kernel variants of shard I of N, skip the rest")
+    ap.add_argument("--phases", required=True, help="warm-up phase names, comma-separated")
     ap.add_argument("--fields", default="{}", help="EngineConfig fields as JSON")
     ap.add_argument("--started", type=float, default=None,
                     help="when the worker started the helpers (epoch seconds): the report's origin")
@@ -237,25 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     imported = time.time() - origin  # torch is not imported yet: `shadow_engine` does that
     engine = shadow_engine(args.model, args.device, json.loads(args.fields))
     phases = dict(engine.warmup_phases())
-    wanted = args.phases.split(",") if args.phases else list(phases)
+    wanted = args.phases.split(",")
     unknown = [name for name in wanted if name not in phases]
     if unknown:
         print(f"unknown warm-up phases {unknown}; known: {list(phases)}", file=sys.stderr)
         return 2
-    if args.shard:
-        index, shards = (int(x) for x in args.shard.split("/"))
-        import triton
-
-        seen: list | None = [] if os.environ.get("PPQA_SHARD_KEYS") else None
-        triton.knobs.runtime.jit_cache_hook = shard_hook(index, shards, seen)
     built = time.time() - origin
     seconds = []
     for name in wanted:
         t0 = time.perf_counter()
         phases[name]()
         seconds.append([name, round(time.perf_counter() - t0, 3)])
-    if args.shard and seen is not None:  # every variant this helper met, for shard_check.py
-        Path(os.environ["PPQA_SHARD_KEYS"], f"shard-{index}.json").write_text(json.dumps(seen))
     # The last line is the report `wait` reads: seconds since the worker started the helpers.
     print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
                       "phase_s": seconds, "done_s": round(time.time() - origin, 3)}))

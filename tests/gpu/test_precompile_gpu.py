@@ -1,7 +1,6 @@
-"""Compile helpers on a GPU: after they ran on an empty Triton cache, each compiling its shard
-of the kernel variants and skipping the rest, a worker's warm-up in a fresh process compiles
-nothing more (every kernel variant it meets is in the cache), and it marks the cache warm so
-that the next start starts no helpers."""
+"""Compile helpers on a GPU: after they ran on an empty Triton cache, a worker's warm-up in a
+fresh process compiles nothing more (every kernel variant it meets is in the cache), and it
+marks the cache warm so that the next start starts no helpers."""
 
 import os
 import subprocess
@@ -46,8 +45,7 @@ def test_helpers_leave_the_warmup_nothing_to_compile(tmp_path):
          f"n = len(precompile.start({MODEL!r}, 'cuda:0')); print('WAIT', precompile.wait(), n)"],
         env=env, capture_output=True, text=True, timeout=600)
     assert helpers.returncode == 0, helpers.stderr
-    shards = precompile_shards()
-    assert f"WAIT ({shards}, {shards})" in helpers.stdout
+    assert f"WAIT ({len(precompile_groups())}, {len(precompile_groups())})" in helpers.stdout
     compiled_by_helpers = _cache_entries(cache)
     assert compiled_by_helpers  # they wrote kernels
 
@@ -63,7 +61,7 @@ def test_helpers_leave_the_warmup_nothing_to_compile(tmp_path):
     assert marker.is_file()  # the next start needs no helpers
 
 
-def precompile_shards() -> int:
+def precompile_groups():
     from ppqa.engine import precompile
 
-    return precompile.SHARDS
+    return precompile.HELPER_PHASES
