@@ -149,6 +149,22 @@ def prefill_once(engine: Engine, doc_tokens: int, questions: int, question_token
             "questions_s": q_s, "question_tokens": q_tokens, "wall_s": wall}
 
 
+def chunk_paths(engine: Engine, doc_tokens: int, questions: int, question_tokens: int,
+                rng: random.Random) -> dict:
+    """The same document length twice before the timed case: its later chunks through the
+    extend kernel (cuDNN's chunk path off), then through cuDNN meeting the shapes first."""
+    backend = engine.parts.backend
+    saved = getattr(backend, "_chunk_ok", None)
+    backend._chunk_ok = False
+    try:
+        kernel = prefill_once(engine, doc_tokens, questions, question_tokens, rng)
+    finally:
+        backend._chunk_ok = saved
+    first = prefill_once(engine, doc_tokens, questions, question_tokens, rng)
+    return {"extend_kernel_doc_s": kernel["doc_s"], "cudnn_first_doc_s": first["doc_s"],
+            "chunk_ok": getattr(backend, "_chunk_ok", None)}
+
+
 def kernel_profile(engine: Engine, doc_tokens: int, questions: int, question_tokens: int,
                    rng: random.Random) -> dict:
     from torch.profiler import ProfilerActivity, profile
@@ -277,6 +293,10 @@ def main() -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="torch.profiler per case (slower)")
     ap.add_argument("--alone", action="store_true", help="attention and GEMMs alone per length")
+    ap.add_argument("--chunk-paths", action="store_true",
+                    help="per case, a document's later chunks through the extend kernel, then "
+                         "through cuDNN (TritonBackend._fused_chunk) on a length it has not met, "
+                         "then again on that length")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="prefill_profile.json")
     args = ap.parse_args()
@@ -297,7 +317,14 @@ def main() -> None:
         for doc_tokens in map(int, args.doc_tokens.split(",")):
             for questions in map(int, args.questions.split(",")):
                 for q_tokens in map(int, args.question_tokens.split(",")):
+                    if args.chunk_paths:
+                        paths = chunk_paths(engine, doc_tokens, questions, q_tokens, rng)
                     case = prefill_once(engine, doc_tokens, questions, q_tokens, rng)
+                    if args.chunk_paths:
+                        case["chunk_paths"] = paths
+                        print(f"  later chunks: extend kernel {paths['extend_kernel_doc_s']*1e3:.1f} ms, "
+                              f"cuDNN first {paths['cudnn_first_doc_s']*1e3:.1f} ms, "
+                              f"again {case['doc_s']*1e3:.1f} ms", flush=True)
                     doc_floor = (doc_tokens * mm + attention_flops(cfg, causal_pairs(0, doc_tokens))) / peak
                     q_total = questions * q_tokens
                     q_pairs = q_total * doc_tokens + questions * q_tokens * (q_tokens + 1) / 2

@@ -153,6 +153,30 @@ def test_long_document_prefills_in_chunks_while_others_decode(tmp_path: Path) ->
     assert all(got[k].token_ids == a.token_ids for k, a in expected.items())
 
 
+def test_later_chunks_of_a_document_in_one_run_name_its_earlier_slots() -> None:
+    # A backend may then read the earlier chunks as one run (TritonBackend._fused_chunk).
+    from ppqa.engine.runtime.request import Stream
+
+    eng = tiny_engine("tiny-gqa", max_prefill_tokens=64)
+    doc_ids = list(range(3, 3 + 150))
+    stream = Stream(key=0, suffix_ids=[5, 6], sampling=SamplingParams(max_new_tokens=1),
+                    seed=0, prompt_tokens=152)
+    session = eng.session()
+    for req in session._requests(doc_ids, [stream], "stock", 1):
+        session.sched.add(req)
+    session.sched.admit()
+    doc = session.sched.pending_documents()[0]
+    assert doc.start >= 0  # a fresh pool gives the document one run of slots
+    chunks = [session.sched.document_chunk(doc) for _ in range(3)]
+    assert [c.num_tokens for c in chunks] == [64, 64, 22] and doc.ready
+    assert chunks[0].plain_causal and chunks[0].doc_prior is None
+    assert [c.doc_prior for c in chunks[1:]] == [(doc.start, 64), (doc.start, 128)]
+    assert not any(c.plain_causal for c in chunks[1:])
+    _, meta = eng.parts.runner.prepare(chunks[2])
+    assert meta.doc_prior == (doc.start, 128)
+    session.close()
+
+
 def test_one_bad_group_fails_alone(tmp_path: Path) -> None:
     eng = tiny_engine("tiny-gqa")
     tmpl = plain_template(tmp_path)

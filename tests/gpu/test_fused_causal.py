@@ -50,3 +50,77 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
         err = (got.float() - ref).norm() / ref.norm()
         assert err < 1e-2, err
     session.close()
+
+
+def _causal_reference(q, k, v):
+    """fp32 causal attention: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+    h, hk, d = q.shape[1], k.shape[1], q.shape[2]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(h // hk, 0),
+        v.float().transpose(0, 1).repeat_interleave(h // hk, 0), is_causal=True,
+        scale=d ** -0.5).transpose(0, 1)
+
+
+@pytest.mark.parametrize("model", ["tiny-gqa", "tiny-hd128"])
+def test_a_later_chunk_through_cudnn_matches_the_extend_kernel(model):
+    eng = Engine(f"dummy:{model}", device="cuda", dtype="bfloat16",
+                 config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=700))
+    cfg = eng.model_config
+    gen = torch.Generator().manual_seed(1)
+    doc_ids = torch.randint(3, cfg.vocab_size, (1000,), generator=gen).tolist()
+    stream = Stream(key=0, suffix_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=1),
+                    seed=0, prompt_tokens=1003)
+    session = eng.session()
+    for req in session._requests(doc_ids, [stream], "cascade", 1):
+        session.sched.add(req)
+    session.sched.admit()
+    doc = session.sched.pending_documents()[0]
+    first, second = (session.sched.document_chunk(doc) for _ in range(2))
+    assert second.doc_prior == (doc.start, 700) and second.num_tokens == 300
+    backend = eng.parts.backend
+    h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = torch.randn(1000, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1000, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1000, hk, d, device="cuda", dtype=torch.bfloat16)
+    _, meta1 = eng.parts.runner.prepare(first)
+    backend.forward(0, q[:700], k[:700], v[:700], meta1)  # the first chunk's K/V into the pool
+    _, meta2 = eng.parts.runner.prepare(second)
+    fused = backend.forward(0, q[700:], k[700:], v[700:], meta2)
+    if model == "tiny-hd128":
+        assert backend._chunk_ok, "cuDNN did not take the chunk"
+    kernel = backend.forward(0, q[700:], k[700:], v[700:],
+                             dataclasses.replace(meta2, doc_prior=None))
+    ref = _causal_reference(q, k, v)[700:]
+    for got in (fused, kernel):
+        assert got.shape == ref.shape and torch.isfinite(got).all()
+        err = (got.float() - ref).norm() / ref.norm()
+        assert err < 1e-2, err
+    session.close()
+
+
+def test_cudnn_attention_with_its_lse_merges_to_causal_attention_under_gqa():
+    # Qwen2.5-7B's heads: 28 query heads sharing 4 KV heads of 128.
+    from ppqa.engine.attention.triton_backend import _cudnn_attention, _kv_heads
+    from ppqa.kernels.merge import merge_attention_states
+
+    torch.manual_seed(0)
+    t, prior, h, hk, d = 256, 640, 28, 4, 128
+    q = torch.randn(prior + t, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(prior + t, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(prior + t, hk, d, device="cuda", dtype=torch.bfloat16)
+    qh = q[prior:].unsqueeze(0).transpose(1, 2)
+    scale = d ** -0.5
+    o_a, lse_a = _cudnn_attention(qh, _kv_heads(k[:prior], h // hk), _kv_heads(v[:prior], h // hk),
+                                  causal=False, scale=scale)
+    o_b, lse_b = _cudnn_attention(qh, _kv_heads(k[prior:], h // hk), _kv_heads(v[prior:], h // hk),
+                                  causal=True, scale=scale)
+    assert lse_a.shape == (t, h) and lse_a.dtype == torch.float32
+    # lse is the natural log of the sum of exp(scaled scores) over the keys seen.
+    scores = torch.einsum("thd,shd->ths", q[prior:].float(),
+                          k[:prior].float().repeat_interleave(h // hk, 1)) * scale
+    assert torch.allclose(lse_a, torch.logsumexp(scores, dim=-1), atol=2e-2)
+    out = torch.empty(t, h, d, device="cuda", dtype=torch.bfloat16)
+    merge_attention_states(o_a, lse_a, o_b, lse_b, out)
+    ref = _causal_reference(q, k, v)[prior:]
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < 1e-2, err

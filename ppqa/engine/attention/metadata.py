@@ -93,6 +93,11 @@ class ForwardMetadata:
     # before them (a document's first prefill chunk). The stream rule is then plain causal
     # attention over the step's tokens, which a backend may hand to a fused causal kernel.
     plain_causal: bool = False
+    # Host (first slot, P): one request, every new token a document token, and the P document
+    # tokens before them are the slot run first slot + i (a later prefill chunk of a document
+    # held in one run). Attention is then the chunk against those P keys, every one visible,
+    # merged with plain causal attention over the chunk's own tokens.
+    doc_prior: tuple[int, int] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -6,7 +6,10 @@ batch shape, the metadata's maxima and the SM count. Per layer, `forward`:
   1. scatters the step's K/V into the layer's pool buffers (`store_kv`);
   2. "extend" (prefill, question prefill, every `parallel` decode step): `extend_attention`
      with the stream rule from meta.q_sid and pool.slot_sid; a document's first chunk
-     (`meta.plain_causal`) in bf16/fp16 through torch's fused causal attention instead;
+     (`meta.plain_causal`) in bf16/fp16 through torch's fused causal attention instead, and
+     a later chunk of a document held in one slot run (`meta.doc_prior`) as two cuDNN calls,
+     the chunk against the earlier tokens (every key visible) and against itself (causal),
+     merged by their log-sum-exp;
      "decode" (stock): `decode_attention` over row[kv_start, prefix_len + 1);
      "decode" with meta.cascade: the suffix row[doc_len, prefix_len + 1) per request
      (decode kernel) and the group's document (shared-prefix kernel) each write partial states
@@ -68,6 +71,8 @@ class TritonBackend:
         # The fused causal backend that took a document's first chunk: None until tried,
         # () when none does (see _fused_causal).
         self._causal_backends: tuple | None = None
+        # Whether cuDNN with its log-sum-exp took a later document chunk: None until tried.
+        self._chunk_ok: bool | None = None
         self._plan = StepPlan(1)
         # High priority: the block scheduler then places the document product's few long CTAs
         # before the suffix's many short ones, which fill the room left beside them.
@@ -113,6 +118,9 @@ class TritonBackend:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.plain_causal and self._fused_causal(q, k, v, o):
             return o
+        if meta.doc_prior is not None and self._fused_chunk(q, k, v, o, k_buf, v_buf,
+                                                            *meta.doc_prior):
+            return o
         if meta.kind == "extend" and meta.cascade is not None:
             self._cascade_extend(q, k, v, o, k_buf, v_buf, meta, plan)
         elif meta.kind == "extend":
@@ -157,6 +165,31 @@ class TritonBackend:
             return True
         self._causal_backends = ()
         return False
+
+    def _fused_chunk(self, q, k, v, o, k_buf, v_buf, first_slot: int, prior: int) -> bool:
+        """A later prefill chunk of a document whose earlier `prior` tokens are the slot run
+        from `first_slot`: the chunk's queries against those keys (all visible) and against
+        the chunk's own keys (causal), each through cuDNN with its log-sum-exp, then merged.
+        The extend kernel runs these chunks at 310-340 TFLOP/s with the document hint, cuDNN
+        ~600 without a mask and ~600 causal (benchmarks/RESULTS.md, 'Prefill' and 'A first
+        chunk's length'). bf16/fp16 on a GPU only; False when it does not apply or cuDNN does
+        not take the shapes, and the extend kernel runs instead."""
+        if self._chunk_ok is False or q.dtype not in (torch.bfloat16, torch.float16) \
+                or q.device.type != "cuda":
+            return False
+        group = q.shape[1] // k.shape[1]
+        qh = q.unsqueeze(0).transpose(1, 2)
+        earlier = [_kv_heads(x[first_slot:first_slot + prior], group) for x in (k_buf, v_buf)]
+        own = [_kv_heads(x, group) for x in (k, v)]
+        try:
+            o_a, lse_a = _cudnn_attention(qh, *earlier, causal=False, scale=self.sm_scale)
+            o_b, lse_b = _cudnn_attention(qh, *own, causal=True, scale=self.sm_scale)
+        except (RuntimeError, TypeError):  # no cuDNN here, or an op of another signature
+            self._chunk_ok = False
+            return False
+        self._chunk_ok = True
+        merge_attention_states(o_a, lse_a, o_b, lse_b, o)
+        return True
 
     @staticmethod
     def _doc_starts(casc) -> torch.Tensor | None:
@@ -213,3 +246,22 @@ class TritonBackend:
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
         merge_partials(part_o, part_lse, o)
+
+
+def _kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[T, Hkv, D] -> [1, Hkv * group, T, D]: each KV head repeated for the `group` query
+    heads that share it (grouped-query attention), heads first."""
+    if group > 1:
+        x = x.repeat_interleave(group, dim=1)
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _cudnn_attention(q, k, v, *, causal: bool, scale: float):
+    """Torch's cuDNN attention with the log-sum-exp: q [1, H, T, D], k/v [1, H, S, D] ->
+    (o [T, H, D], lse [T, H] float32, natural log). Raises RuntimeError where cuDNN does not
+    take the shapes."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    o, lse = out[0], out[1]
+    tokens = q.shape[2]
+    return o[0].transpose(0, 1), lse.reshape(q.shape[1], tokens).transpose(0, 1).float()

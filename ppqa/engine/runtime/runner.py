@@ -49,6 +49,9 @@ class StepInputs:
     # One request whose new tokens are all document tokens with nothing cached before them:
     # attention is plain causal over the step's own tokens (ForwardMetadata.plain_causal).
     plain_causal: bool = False
+    # A later chunk of a document held in one slot run: (first slot, tokens before the chunk)
+    # (ForwardMetadata.doc_prior).
+    doc_prior: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         tokens, batch = self.input_ids.shape[0], self.req_rows.shape[0]
@@ -139,7 +142,8 @@ class ModelRunner:
             max_extend_len=int(extend_lens.max()) if batch else 0,
             max_prefix_len=int(step.prefix_lens.max()) if batch else 0,
             cascade=cascade_meta, doc_start=doc_start, doc_len=doc_len,
-            host_prefix_lens=step.prefix_lens, plain_causal=step.plain_causal)
+            host_prefix_lens=step.prefix_lens, plain_causal=step.plain_causal,
+            doc_prior=step.doc_prior)
         init = getattr(self.backend, "init_forward_metadata", None)
         if init is not None:
             init(meta)

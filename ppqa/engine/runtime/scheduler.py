@@ -232,7 +232,8 @@ class Scheduler:
                           logit_indices=torch.empty(0, dtype=torch.int64),
                           doc_start=torch.tensor([max(doc.start, 0)]),
                           doc_len=torch.tensor([start if contiguous else 0]),
-                          plain_causal=start == 0)
+                          plain_causal=start == 0,
+                          doc_prior=(doc.start, start) if contiguous and start > 0 else None)
 
     def questions_ready(self) -> list[Request]:
         """Prefilling requests whose document is ready, up to max_prefill_tokens question
