@@ -77,8 +77,10 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefillab)  # a document's later chunks: the extend kernel against cuDNN with its lse
       step prefillab 170 python3 benchmarks/profile_prefill.py --models dummy:qwen2.5-7b+bpe,dummy:codellama-7b+bpe \
-        --doc-tokens 16001,20483 --questions 18 --question-tokens 20 --chunk-paths \
+        --doc-tokens ${AB_LENGTHS:-16001,20483} --questions 18 --question-tokens 20 --chunk-paths \
         --out "$OUT/prefill_chunks.json" ;;
+    pytestfc)  # the fused-causal and later-chunk GPU tests alone
+      step pytestfc 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_causal.py ;;
     prefill)
       step prefill 150 python3 benchmarks/profile_prefill.py --doc-tokens 8192,16384,20480 \
         --questions 64 --question-tokens 20 --alone --out "$OUT/prefill.json" ;;

@@ -40,6 +40,7 @@ from ppqa.kernels.merge import PartialScratch, merge_attention_states, merge_par
 # (or 16 splits of a 256-request decode step); the CPU interpreter needs far less.
 GPU_SCRATCH_BYTES = 256 << 20
 CPU_SCRATCH_BYTES = 16 << 20
+CHUNK_ROWS = 512  # a later document chunk's rows are padded to a multiple of this (_fused_chunk)
 
 
 @dataclass
@@ -178,9 +179,15 @@ class TritonBackend:
                 or q.device.type != "cuda":
             return False
         group = q.shape[1] // k.shape[1]
-        qh = q.unsqueeze(0).transpose(1, 2)
+        # cuDNN builds a plan per shape (a document's last chunk would cost one each, ~40 ms,
+        # results/h200/prefill_chunks_s14c6.json): the chunk's rows are padded to a multiple
+        # of CHUNK_ROWS with zeros, which no real row sees (causal) and whose outputs are
+        # dropped. The earlier tokens, the keys of the unmasked part, stay exact.
+        tokens = q.shape[0]
+        rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
+        qh = _kv_heads(q, 1, rows)
         earlier = [_kv_heads(x[first_slot:first_slot + prior], group) for x in (k_buf, v_buf)]
-        own = [_kv_heads(x, group) for x in (k, v)]
+        own = [_kv_heads(x, group, rows) for x in (k, v)]
         try:
             o_a, lse_a = _cudnn_attention(qh, *earlier, causal=False, scale=self.sm_scale)
             o_b, lse_b = _cudnn_attention(qh, *own, causal=True, scale=self.sm_scale)
@@ -188,7 +195,7 @@ class TritonBackend:
             self._chunk_ok = False
             return False
         self._chunk_ok = True
-        merge_attention_states(o_a, lse_a, o_b, lse_b, o)
+        merge_attention_states(o_a[:tokens], lse_a[:tokens], o_b[:tokens], lse_b[:tokens], o)
         return True
 
     @staticmethod
@@ -248,11 +255,14 @@ class TritonBackend:
         merge_partials(part_o, part_lse, o)
 
 
-def _kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
-    """[T, Hkv, D] -> [1, Hkv * group, T, D]: each KV head repeated for the `group` query
-    heads that share it (grouped-query attention), heads first."""
+def _kv_heads(x: torch.Tensor, group: int, rows: int | None = None) -> torch.Tensor:
+    """[T, Hkv, D] -> [1, Hkv * group, rows, D]: each KV head repeated for the `group` query
+    heads that share it (grouped-query attention), heads first; rows past T (if `rows` > T)
+    are zeros."""
     if group > 1:
         x = x.repeat_interleave(group, dim=1)
+    if rows is not None and rows > x.shape[0]:
+        x = torch.cat([x, x.new_zeros((rows - x.shape[0],) + x.shape[1:])])
     return x.unsqueeze(0).transpose(1, 2)
 
 
