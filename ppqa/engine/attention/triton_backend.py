@@ -40,7 +40,7 @@ from ppqa.kernels.merge import PartialScratch, merge_attention_states, merge_par
 # (or 16 splits of a 256-request decode step); the CPU interpreter needs far less.
 GPU_SCRATCH_BYTES = 256 << 20
 CPU_SCRATCH_BYTES = 16 << 20
-CHUNK_ROWS = 512  # a later document chunk's rows are padded to a multiple of this (_fused_chunk)
+CHUNK_ROWS = 512  # a later document chunk's rows are padded to a multiple of this (chunk_attention)
 
 
 @dataclass
@@ -169,33 +169,21 @@ class TritonBackend:
 
     def _fused_chunk(self, q, k, v, o, k_buf, v_buf, first_slot: int, prior: int) -> bool:
         """A later prefill chunk of a document whose earlier `prior` tokens are the slot run
-        from `first_slot`: the chunk's queries against those keys (all visible) and against
-        the chunk's own keys (causal), each through cuDNN with its log-sum-exp, then merged.
-        The extend kernel runs these chunks at 310-340 TFLOP/s with the document hint, cuDNN
-        ~600 without a mask and ~600 causal (benchmarks/RESULTS.md, 'Prefill' and 'A first
-        chunk's length'). bf16/fp16 on a GPU only; False when it does not apply or cuDNN does
-        not take the shapes, and the extend kernel runs instead."""
+        from `first_slot`, through cuDNN (`chunk_attention`). The extend kernel runs these
+        chunks at 310-340 TFLOP/s with the document hint; this way a document prefills 15-18%
+        faster once cuDNN holds plans for the shapes (results/h200/prefill_chunks_s14c6.json).
+        bf16/fp16 on a GPU only; False when it does not apply or cuDNN does not take the
+        shapes, and the extend kernel runs instead."""
         if self._chunk_ok is False or q.dtype not in (torch.bfloat16, torch.float16) \
                 or q.device.type != "cuda":
             return False
-        group = q.shape[1] // k.shape[1]
-        # cuDNN builds a plan per shape (a document's last chunk would cost one each, ~40 ms,
-        # results/h200/prefill_chunks_s14c6.json): the chunk's rows are padded to a multiple
-        # of CHUNK_ROWS with zeros, which no real row sees (causal) and whose outputs are
-        # dropped. The earlier tokens, the keys of the unmasked part, stay exact.
-        tokens = q.shape[0]
-        rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
-        qh = _kv_heads(q, 1, rows)
-        earlier = [_kv_heads(x[first_slot:first_slot + prior], group) for x in (k_buf, v_buf)]
-        own = [_kv_heads(x, group, rows) for x in (k, v)]
+        earlier = [x[first_slot:first_slot + prior] for x in (k_buf, v_buf)]
         try:
-            o_a, lse_a = _cudnn_attention(qh, *earlier, causal=False, scale=self.sm_scale)
-            o_b, lse_b = _cudnn_attention(qh, *own, causal=True, scale=self.sm_scale)
+            chunk_attention(q, k, v, *earlier, o, self.sm_scale)
         except (RuntimeError, TypeError):  # no cuDNN here, or an op of another signature
             self._chunk_ok = False
             return False
         self._chunk_ok = True
-        merge_attention_states(o_a[:tokens], lse_a[:tokens], o_b[:tokens], lse_b[:tokens], o)
         return True
 
     @staticmethod
@@ -253,6 +241,26 @@ class TritonBackend:
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
         merge_partials(part_o, part_lse, o)
+
+
+def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None) -> None:
+    """Attention of a document chunk's queries q [T, H, D] over the document's earlier tokens
+    (k_earlier/v_earlier [P, Hkv, D], every key visible) and the chunk's own (k/v [T, Hkv, D],
+    causal), into o [T, H, D]: each part by `attend` (default cuDNN, `_cudnn_attention`) with
+    its log-sum-exp, merged. cuDNN builds a plan per shape and a document's last chunk has a
+    length of its own (~40 ms a plan, results/h200/prefill_chunks_s14c6.json), so the chunk's
+    rows are padded to a multiple of CHUNK_ROWS with zeros, which no real row sees (causal)
+    and whose outputs are dropped; P, the unmasked part's keys, stays exact."""
+    attend = attend or _cudnn_attention
+    group = q.shape[1] // k.shape[1]
+    tokens = q.shape[0]
+    rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
+    qh = _kv_heads(q, 1, rows)
+    o_a, lse_a = attend(qh, _kv_heads(k_earlier, group), _kv_heads(v_earlier, group),
+                        causal=False, scale=scale)
+    o_b, lse_b = attend(qh, _kv_heads(k, group, rows), _kv_heads(v, group, rows),
+                        causal=True, scale=scale)
+    merge_attention_states(o_a[:tokens], lse_a[:tokens], o_b[:tokens], lse_b[:tokens], o)
 
 
 def _kv_heads(x: torch.Tensor, group: int, rows: int | None = None) -> torch.Tensor:
