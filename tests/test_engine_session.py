@@ -11,7 +11,7 @@ import pytest
 
 from ppqa import Answer, QuestionRequest, SamplingParams
 from ppqa.engine.runtime.scheduler import Scheduler
-from tests.helpers import plain_template, text, tiny_engine
+from tests.helpers import pending_document, plain_template, text, tiny_engine
 
 
 def _requests(rng: random.Random, doc: str, count: int, tmpl: str, tag: str,
@@ -155,17 +155,8 @@ def test_long_document_prefills_in_chunks_while_others_decode(tmp_path: Path) ->
 
 def test_later_chunks_of_a_document_in_one_run_name_its_earlier_slots() -> None:
     # A backend may then read the earlier chunks as one run (TritonBackend._fused_chunk).
-    from ppqa.engine.runtime.request import Stream
-
     eng = tiny_engine("tiny-gqa", max_prefill_tokens=64)
-    doc_ids = list(range(3, 3 + 150))
-    stream = Stream(key=0, suffix_ids=[5, 6], sampling=SamplingParams(max_new_tokens=1),
-                    seed=0, prompt_tokens=152)
-    session = eng.session()
-    for req in session._requests(doc_ids, [stream], "stock", 1):
-        session.sched.add(req)
-    session.sched.admit()
-    doc = session.sched.pending_documents()[0]
+    session, doc = pending_document(eng, list(range(3, 3 + 150)), mode="stock")
     assert doc.start >= 0  # a fresh pool gives the document one run of slots
     chunks = [session.sched.document_chunk(doc) for _ in range(3)]
     assert [c.num_tokens for c in chunks] == [64, 64, 22] and doc.ready

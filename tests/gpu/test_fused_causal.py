@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from ppqa import Engine, SamplingParams
+from ppqa import Engine
 from ppqa.config import EngineConfig
-from ppqa.engine.runtime.request import Stream
+from tests.helpers import pending_document
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,13 +22,7 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
     cfg = eng.model_config
     gen = torch.Generator().manual_seed(0)
     doc_ids = torch.randint(3, cfg.vocab_size, (1000,), generator=gen).tolist()
-    stream = Stream(key=0, suffix_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=1),
-                    seed=0, prompt_tokens=1003)
-    session = eng.session()
-    for req in session._requests(doc_ids, [stream], "cascade", 1):
-        session.sched.add(req)
-    session.sched.admit()
-    doc = session.sched.pending_documents()[0]
+    session, doc = pending_document(eng, doc_ids)
     first = session.sched.document_chunk(doc)
     assert first.plain_causal and first.num_tokens == 700
     second = session.sched.document_chunk(doc)
@@ -68,13 +62,7 @@ def test_a_later_chunk_through_cudnn_matches_the_extend_kernel(model):
     cfg = eng.model_config
     gen = torch.Generator().manual_seed(1)
     doc_ids = torch.randint(3, cfg.vocab_size, (1000,), generator=gen).tolist()
-    stream = Stream(key=0, suffix_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=1),
-                    seed=0, prompt_tokens=1003)
-    session = eng.session()
-    for req in session._requests(doc_ids, [stream], "cascade", 1):
-        session.sched.add(req)
-    session.sched.admit()
-    doc = session.sched.pending_documents()[0]
+    session, doc = pending_document(eng, doc_ids)
     first, second = (session.sched.document_chunk(doc) for _ in range(2))
     assert second.doc_prior == (doc.start, 700) and second.num_tokens == 300
     backend = eng.parts.backend
