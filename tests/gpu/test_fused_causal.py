@@ -29,7 +29,7 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
     assert not second.plain_causal  # it reads the first chunk from the pool
     _, meta = eng.parts.runner.prepare(first)
     backend = eng.parts.backend
-    t, h, hk, d = first.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    t, h, hk, d = first.num_tokens, cfg.num_heads, cfg.num_heads_first, cfg.head_dim
     q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
@@ -66,7 +66,7 @@ def test_a_later_chunk_through_cudnn_matches_the_extend_kernel(model):
     first, second = (session.sched.document_chunk(doc) for _ in range(2))
     assert second.doc_prior == (doc.start, 700) and second.num_tokens == 300
     backend = eng.parts.backend
-    h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h, hk, d = cfg.num_heads, cfg.num_heads_first, cfg.head_dim
     q = torch.randn(1000, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1000, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1000, hk, d, device="cuda", dtype=torch.bfloat16)
@@ -88,7 +88,7 @@ def test_a_later_chunk_through_cudnn_matches_the_extend_kernel(model):
 
 def test_cudnn_attention_with_its_lse_merges_to_causal_attention_under_gqa():
     # Qwen2.5-7B's heads: 28 query heads sharing 4 KV heads of 128.
-    from ppqa.engine.attention.triton_backend import _cudnn_attention, _kv_heads
+    from ppqa.engine.attention.triton_backend import _cudnn_attention, _heads_first
     from ppqa.kernels.merge import merge_attention_states
 
     torch.manual_seed(0)
@@ -98,9 +98,9 @@ def test_cudnn_attention_with_its_lse_merges_to_causal_attention_under_gqa():
     v = torch.randn(prior + t, hk, d, device="cuda", dtype=torch.bfloat16)
     qh = q[prior:].unsqueeze(0).transpose(1, 2)
     scale = d ** -0.5
-    o_a, lse_a = _cudnn_attention(qh, _kv_heads(k[:prior], h // hk), _kv_heads(v[:prior], h // hk),
+    o_a, lse_a = _cudnn_attention(qh, _heads_first(k[:prior], h // hk), _heads_first(v[:prior], h // hk),
                                   causal=False, scale=scale)
-    o_b, lse_b = _cudnn_attention(qh, _kv_heads(k[prior:], h // hk), _kv_heads(v[prior:], h // hk),
+    o_b, lse_b = _cudnn_attention(qh, _heads_first(k[prior:], h // hk), _heads_first(v[prior:], h // hk),
                                   causal=True, scale=scale)
     assert lse_a.shape == (t, h) and lse_a.dtype == torch.float32
     # lse is the natural log of the sum of exp(scaled scores) over the keys seen.

@@ -145,8 +145,7 @@ class TritonBackend:
         causal square where the extend kernel runs this shape at 160-170
         (benchmarks/RESULTS.md, 'Prefill'). bf16/fp16 on a GPU only; False when it does not
         apply or no fused backend takes the shape, and the extend kernel runs instead."""
-        if self._causal_backends == () or q.dtype not in (torch.bfloat16, torch.float16) \
-                or q.device.type != "cuda":
+        if self._causal_backends == () or not _fusable(q):
             return False
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -174,8 +173,7 @@ class TritonBackend:
         faster once cuDNN holds plans for the shapes (results/h200/prefill_chunks_s14c6.json).
         bf16/fp16 on a GPU only; False when it does not apply or cuDNN does not take the
         shapes, and the extend kernel runs instead."""
-        if self._chunk_ok is False or q.dtype not in (torch.bfloat16, torch.float16) \
-                or q.device.type != "cuda":
+        if self._chunk_ok is False or not _fusable(q):
             return False
         earlier = [x[first_slot:first_slot + prior] for x in (k_buf, v_buf)]
         try:
@@ -243,6 +241,11 @@ class TritonBackend:
         merge_partials(part_o, part_lse, o)
 
 
+def _fusable(q: torch.Tensor) -> bool:
+    """Torch's fused (cuDNN, FlashAttention) kernels take bf16/fp16 on a GPU only."""
+    return q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda"
+
+
 def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None) -> None:
     """Attention of a document chunk's queries q [T, H, D] over the document's earlier tokens
     (k_earlier/v_earlier [P, Hkv, D], every key visible) and the chunk's own (k/v [T, Hkv, D],
@@ -255,18 +258,17 @@ def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None)
     group = q.shape[1] // k.shape[1]
     tokens = q.shape[0]
     rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
-    qh = _kv_heads(q, 1, rows)
-    o_a, lse_a = attend(qh, _kv_heads(k_earlier, group), _kv_heads(v_earlier, group),
+    qh = _heads_first(q, rows=rows)
+    o_a, lse_a = attend(qh, _heads_first(k_earlier, group), _heads_first(v_earlier, group),
                         causal=False, scale=scale)
-    o_b, lse_b = attend(qh, _kv_heads(k, group, rows), _kv_heads(v, group, rows),
+    o_b, lse_b = attend(qh, _heads_first(k, group, rows), _heads_first(v, group, rows),
                         causal=True, scale=scale)
     merge_attention_states(o_a[:tokens], lse_a[:tokens], o_b[:tokens], lse_b[:tokens], o)
 
 
-def _kv_heads(x: torch.Tensor, group: int, rows: int | None = None) -> torch.Tensor:
-    """[T, Hkv, D] -> [1, Hkv * group, rows, D]: each KV head repeated for the `group` query
-    heads that share it (grouped-query attention), heads first; rows past T (if `rows` > T)
-    are zeros."""
+def _heads_first(x: torch.Tensor, group: int = 1, rows: int | None = None) -> torch.Tensor:
+    """[T, Hx, D] -> [1, Hx * group, rows, D], heads first: each head repeated `group` times
+    (a KV head for the query heads that share it), rows past T (if `rows` > T) zeros."""
     if group > 1:
         x = x.repeat_interleave(group, dim=1)
     if rows is not None and rows > x.shape[0]:
