@@ -76,7 +76,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
       step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefillab)  # a document's later chunks: the extend kernel against cuDNN with its lse
-      step prefillab 170 python3 benchmarks/profile_prefill.py --models dummy:qwen2.5-7b+bpe,dummy:codellama-7b+bpe \
+      step prefillab 240 python3 benchmarks/profile_prefill.py --models dummy:qwen2.5-7b+bpe,dummy:codellama-7b+bpe \
         --doc-tokens ${AB_LENGTHS:-16001,20483} --questions 18 --question-tokens 20 --chunk-paths \
         --out "$OUT/prefill_chunks.json" ;;
     pytestfc)  # the fused-causal and later-chunk GPU tests alone
