@@ -29,7 +29,7 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
     assert not second.plain_causal  # it reads the first chunk from the pool
     _, meta = eng.parts.runner.prepare(first)
     backend = eng.parts.backend
-    t, h, hk, d = first.num_tokens, cfg.num_heads, cfg.num_heads_first, cfg.head_dim
+    t, h, hk, d = first.num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
@@ -66,7 +66,7 @@ def test_a_later_chunk_through_cudnn_matches_the_extend_kernel(model):
     first, second = (session.sched.document_chunk(doc) for _ in range(2))
     assert second.doc_prior == (doc.start, 700) and second.num_tokens == 300
     backend = eng.parts.backend
-    h, hk, d = cfg.num_heads, cfg.num_heads_first, cfg.head_dim
+    h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = torch.randn(1000, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1000, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1000, hk, d, device="cuda", dtype=torch.bfloat16)
