@@ -217,7 +217,9 @@ class Engine:
         """The warm-up as named phases, each synthetic work that meets a set of kernels and
         graphs: `long` a document one chunk longer than `max_prefill_tokens` (its second chunk
         reads the first through the document hint) with a full step of questions
-        (`max_batch_requests`) by cascade; `many` the same count by stock on a short document
+        (`max_batch_requests`) by cascade; `few-long` a few questions on that document by stock
+        and by cascade (a long document's split-KV decode, whose partial states a few requests
+        need); `many` the same count by stock on a short document
         (the full-batch decode graphs and the large question prefill); `few-<mode>` a few
         questions in each mode (the small batches a draining step passes through); `mixed` a
         step holding stock and cascade requests together; `choices` a few questions scored
@@ -229,11 +231,14 @@ class Engine:
         many = [f"What happened on day {i}?" for i in range(self.config.max_batch_requests)]
         few = many[:8]
         short = _synthetic_text(self.tokenizer, 150)
+        long = _synthetic_text(self.tokenizer, self.config.max_prefill_tokens + 64)
 
-        def long_document() -> None:
-            long = _synthetic_text(self.tokenizer, self.config.max_prefill_tokens + 64)
-            if self.fit_error(len(self.tokenizer.encode(long)) + 64, 16, 4) is None:
-                self.answer(long, many, mode="cascade", sampling=sampling)
+        def long_document(questions: list[str], modes: tuple[str, ...]) -> Callable[[], None]:
+            def run() -> None:
+                if self.fit_error(len(self.tokenizer.encode(long)) + 64, 16, 4) is None:
+                    for mode in modes:
+                        self.answer(long, questions, mode=mode, sampling=sampling)
+            return run
 
         def few_in(mode: str) -> Callable[[], None]:
             return lambda: self.answer(short, few, mode=mode, sampling=sampling,
@@ -251,7 +256,8 @@ class Engine:
         def choices() -> None:
             self.score(short, few, ["yes", "no", "not stated in the document"], mode="cascade")
 
-        return [("long", long_document),
+        return [("long", long_document(many, ("cascade",))),
+                ("few-long", long_document(few, ("stock", "cascade"))),
                 ("many", lambda: self.answer(short, many, mode="stock", sampling=sampling)),
                 *((f"few-{mode}", few_in(mode)) for mode in ("stock", "cascade", "parallel")),
                 ("mixed", mixed), ("choices", choices)]

@@ -39,9 +39,10 @@ from ppqa.kernels._tile import (
 from ppqa.kernels.merge import PartialScratch, merge_partials, partial_buffers, partial_strides
 
 
-# Counts and offsets that change from step to step are not specialised on (== 1, a multiple
-# of 16): each such class of values would be one more variant to compile.
-@triton.jit(do_not_specialize=["state_offset", "num_splits"])
+# Counts and offsets that change from step to step, and the partial lse strides (they follow
+# the state count), are not specialised on (== 1, a multiple of 16): each such class of values
+# would be one more variant to compile.
+@triton.jit(do_not_specialize=["state_offset", "num_splits", "stride_plt", "stride_plh"])
 def _prefix_kernel(
     Q, Part_o, Part_lse,
     K_pool, V_pool, K_desc, V_desc, Req_to_token, Group_indptr, Doc_req, Doc_lens, Doc_starts,

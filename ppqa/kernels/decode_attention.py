@@ -44,9 +44,10 @@ def _decode_tile(q, K_pool, V_pool, slots, c_ok, kv_head_off, d, d_ok, stride_po
     return softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
 
 
-# Counts and offsets that change from step to step are not specialised on (== 1, a multiple
-# of 16): each such class of values would be one more variant to compile.
-@triton.jit(do_not_specialize=["state_offset", "num_splits"])
+# Counts and offsets that change from step to step, and the partial lse strides (they follow
+# the state count), are not specialised on (== 1, a multiple of 16): each such class of values
+# would be one more variant to compile.
+@triton.jit(do_not_specialize=["state_offset", "num_splits", "stride_plt", "stride_plh"])
 def _decode_kernel(
     Q, O, Lse, Part_o, Part_lse,
     K_pool, V_pool, K_desc, V_desc, Req_to_token, Req_idx, Kv_start, Seq_lens, Doc_start, Doc_len,

@@ -51,9 +51,11 @@ def _load_kv(K_pool, V_pool, slots, c_ok, kv_head_off, d, d_ok, stride_pool_s,
     return k_t, v
 
 
-# Counts and offsets that change from step to step are not specialised on (== 1, a multiple
-# of 16): each such class of values would be one more variant to compile.
-@triton.jit(do_not_specialize=["num_m_tiles", "state_offset", "num_splits"])
+# Counts and offsets that change from step to step, and the partial lse strides (they follow
+# the state count), are not specialised on (== 1, a multiple of 16): each such class of values
+# would be one more variant to compile.
+@triton.jit(do_not_specialize=["num_m_tiles", "state_offset", "num_splits", "stride_plt",
+                               "stride_plh"])
 def _extend_kernel(
     Q, K_new, V_new, O, Lse, Part_o, Part_lse,
     K_pool, V_pool, K_desc, V_desc, Req_to_token, Req_idx, Kv_start, Prefix_lens, Qo_indptr,

@@ -17,9 +17,10 @@ import triton.language as tl
 from ppqa.kernels import _arch
 
 
-# Counts and offsets that change from step to step are not specialised on (== 1, a multiple
-# of 16): each such class of values would be one more variant to compile.
-@triton.jit(do_not_specialize=["num_rows", "num_states", "stride_lt", "stride_lh"])
+# Counts, offsets and the lse strides (which follow the state count) are not specialised on
+# (== 1, a multiple of 16): each such class of values would be one more variant to compile.
+@triton.jit(do_not_specialize=["num_rows", "num_states", "stride_lt", "stride_lh",
+                               "stride_st", "stride_sh"])
 def _merge_kernel(
     Part_o, Part_lse, O, Lse,
     num_rows, num_heads, num_states,
@@ -30,31 +31,45 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     ROWS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    # States are read BLOCK_S at a time with a running maximum (online softmax over states), so
+    # one compiled variant serves every state count.
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # flattened (token, head) pairs
     row_ok = row < num_rows
     t = (row // num_heads).to(tl.int64)
     h = row % num_heads
-    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = row_ok[:, None] & (s[None, :] < num_states)
-    lse = tl.load(Part_lse + (t * stride_lt + h * stride_lh)[:, None] + s[None, :],
-                  mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, axis=1)
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp(lse - top_safe[:, None])  # 0 for empty states
-    total = tl.sum(w, axis=1)
-    base = t * stride_pt + h * stride_ph
-    offs = base[:, None, None] + s[None, :, None] * stride_ps + d[None, None, :]
-    parts = tl.load(Part_o + offs, mask=s_ok[:, :, None] & (d[None, None, :] < HEAD_DIM),
-                    other=0.0)
-    out = tl.sum(parts * w[:, :, None], axis=1)
+    d_ok = d < HEAD_DIM
+    lse_base = t * stride_lt + h * stride_lh
+    o_base = t * stride_pt + h * stride_ph
+    top = tl.full((ROWS,), float("-inf"), tl.float32)
+    total = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    for s0 in range(0, num_states, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = row_ok[:, None] & (s[None, :] < num_states)
+        lse = tl.load(Part_lse + lse_base[:, None] + s[None, :], mask=s_ok, other=float("-inf"))
+        new_top = tl.maximum(top, tl.max(lse, axis=1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        rescale = tl.exp(top - safe)  # 0 while nothing was seen (top = -inf)
+        w = tl.exp(lse - safe[:, None])  # 0 for empty states
+        offs = o_base[:, None, None] + s[None, :, None] * stride_ps + d[None, None, :]
+        parts = tl.load(Part_o + offs, mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        acc = acc * rescale[:, None] + tl.sum(parts * w[:, :, None], axis=1)
+        total = total * rescale + tl.sum(w, axis=1)
+        top = new_top
     seen = total > 0
-    out = tl.where(seen[:, None], out / tl.where(seen, total, 1.0)[:, None], 0.0)
+    out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
     dst = (t * stride_ot + h * stride_oh)[:, None] + d[None, :]
-    tl.store(O + dst, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+    tl.store(O + dst, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
-        lse_out = top + tl.log(tl.where(seen, total, 1.0))
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        lse_out = top_safe + tl.log(tl.where(seen, total, 1.0))
+        lse_out = tl.where(seen, lse_out, float("-inf"))
         tl.store(Lse + t * stride_st + h * stride_sh, lse_out, mask=row_ok)
+
+
+# States read per loop step of the merge: the cascade's and split-KV's usual counts (2-16) in one.
+MERGE_STATES = 16
 
 
 def merge_partials(
@@ -78,10 +93,9 @@ def merge_partials(
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        lse_arg.stride(0), lse_arg.stride(1),
+        *lse_strides(lse),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=max(2, triton.next_power_of_2(num_states)),
-        ROWS=rows, WRITE_LSE=lse is not None,
+        BLOCK_S=MERGE_STATES, ROWS=rows, WRITE_LSE=lse is not None,
         num_warps=4,
     )
 

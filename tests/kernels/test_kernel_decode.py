@@ -11,7 +11,7 @@ from kernel_inputs import Pool, decode_step
 from ppqa.kernels.cascade import shared_prefix_attention, shared_prefix_attention_ref
 from ppqa.kernels.decode_attention import decode_attention, decode_attention_ref
 from ppqa.kernels._ref import combine_states_ref
-from ppqa.kernels.merge import merge_attention_states
+from ppqa.kernels.merge import MERGE_STATES, merge_attention_states, merge_partials
 
 # (document lengths of the batch's groups, requests per group)
 CASES = [((37,), 1), ((300,), 5), ((1000, 37), 3)] + ([((1000, 300), 64)] if ON_GPU else [])
@@ -100,3 +100,23 @@ def test_merge_handles_empty_states():
     assert_close_to_ref(out, ref_o, torch.float32, "merge o")
     assert_close_to_ref(lse, ref_lse, torch.float32, "merge lse")
     assert torch.equal(out[0].cpu(), o_a[0].cpu())
+
+
+@pytest.mark.parametrize("states", [1, 3, MERGE_STATES, MERGE_STATES + 1, 3 * MERGE_STATES + 5])
+def test_merge_partials_reads_any_state_count(states):
+    """Split-KV and cascade steps merge from one to hundreds of states; the kernel reads them
+    MERGE_STATES at a time, so counts at, below and past a loop step (empty states among
+    them, and whole rows of empty states) must all give the float64 log-sum-exp merge."""
+    gen = torch.Generator().manual_seed(states)
+    tokens, heads, head_dim = 3, 5, 16
+    part_o = torch.randn(tokens, heads, states, head_dim, generator=gen)
+    part_lse = 4 * torch.randn(tokens, heads, states, generator=gen)
+    part_lse[0, :, ::2] = float("-inf")  # every other state of a token saw no key
+    part_lse[1, 2] = float("-inf")  # one (token, head) row saw none at all
+    out, lse = poisoned((tokens, heads, head_dim)), poisoned((tokens, heads))
+    merge_partials(part_o.to(DEVICE), part_lse.to(DEVICE), out, lse)
+    ref_o, ref_lse = combine_states_ref([(part_o[:, :, i], part_lse[:, :, i])
+                                         for i in range(states)])
+    assert_close_to_ref(out, ref_o, torch.float32, f"merge of {states} states, o")
+    assert_close_to_ref(lse, ref_lse, torch.float32, f"merge of {states} states, lse")
+    assert torch.equal(out[1, 2].cpu(), torch.zeros(head_dim))
