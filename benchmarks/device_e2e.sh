@@ -104,6 +104,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step bench16k 200 python3 -m ppqa bench --model dummy:codellama-7b --doc-tokens 16384 \
         --questions 256 --max-new-tokens 128 --seeds 0 --streams 64 --modes stock,cascade,auto \
         --cuda-graphs --out "$OUT/bench16k.json" ;;
+    merge)  # the merge kernel's states per loop step at decode's shapes
+      step merge 120 python3 benchmarks/merge_states.py --out "$OUT/merge_states.json" ;;
     ltimeline)  # loogle through the worker twice in one process: compilations and eager steps
       step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
         --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;

@@ -77,8 +77,10 @@ def merge_partials(
     part_lse: torch.Tensor,  # [T, H, N] float32
     out: torch.Tensor,  # [T, H, D]
     lse: torch.Tensor | None = None,  # [T, H] float32
+    block_states: int = MERGE_STATES,
 ) -> None:
-    """Reduces N partial states per (token, head) into `out` (and their total lse)."""
+    """Reduces N partial states per (token, head) into `out` (and their total lse), reading
+    `block_states` of them per loop step (a power of two; other values only for measuring)."""
     num_tokens, num_heads, num_states, head_dim = part_o.shape
     if num_tokens == 0:
         return
@@ -95,7 +97,7 @@ def merge_partials(
         out.stride(0), out.stride(1),
         *lse_strides(lse),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_S=MERGE_STATES, ROWS=rows, WRITE_LSE=lse is not None,
+        BLOCK_S=block_states, ROWS=rows, WRITE_LSE=lse is not None,
         num_warps=4,
     )
 
