@@ -126,6 +126,8 @@ def test_tiny_e2e_runs_through_the_cli_with_identical_answers(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["kind"] == "e2e"
+    host = data["host"]  # what says whether two runs' hosts compare
+    assert host["cpu_model"] and 0 < host["python_probe_s"] < 10
     (bench,) = data["workloads"]
     assert bench["workload"]["questions"] == 12 and bench["model"] == "dummy:tiny-gqa"
     assert [(r["pass"], r["mode"]) for r in bench["runs"]] == [

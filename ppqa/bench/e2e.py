@@ -262,6 +262,10 @@ def run_e2e(opts: E2EOptions, out: Path, command: str, log: Callable[[str], None
 
     results = {"kind": "e2e", "commit": git_commit(), "command": command, "host": host_info(opts),
                "workloads": []}
+    host = results["host"]
+    log(f"host: {host['cpu_model']}, {host['cpus']} CPUs, Python probe "
+        f"{host['python_probe_s'] * 1000:.0f} ms (rows from hosts whose probes differ do not "
+        f"compare)")
     temp = None
     if opts.work_dir is None:
         temp = tempfile.mkdtemp(prefix="ppqa-e2e-")
@@ -302,5 +306,33 @@ def host_info(opts: E2EOptions) -> dict:
         except (OSError, subprocess.TimeoutExpired):
             pass
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    return {"gpu": gpu, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+    return {"gpu": gpu, "cpus": os.cpu_count(), "cpu_model": cpu_model(),
+            "python": sys.version.split()[0], "python_probe_s": python_probe_s(),
             "triton_cache_entries_at_start": len(list(cache.iterdir())) if cache.is_dir() else 0}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def python_probe_s(rounds: int = 3) -> float:
+    """Seconds for a fixed piece of pure-Python work (best of `rounds`). Start-up, claims and
+    the per-step host work scale with the host's single-core speed, so rows measured on two
+    machines compare only where this agrees."""
+    best = float("inf")
+    for _ in range(rounds):
+        began = time.perf_counter()
+        table: dict[int, int] = {}
+        for i in range(300_000):
+            table[i % 1009] = table.get(i % 1009, 0) + (i * 7 >> 3)
+        best = min(best, time.perf_counter() - began)
+    return best
