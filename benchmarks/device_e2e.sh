@@ -71,8 +71,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
         --groups "${ALT_GROUPS:?}" --out "$OUT/startup_alt.json"
       unset TRITON_CACHE_DIR ;;
     pytest)
-      step pytest 180 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels/test_triton_backend.py \
-        tests/kernels/test_triton_scoring.py ;;
+      step pytest 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels ;;
     sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
       step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefillab)  # a document's later chunks: the extend kernel against cuDNN with its lse
