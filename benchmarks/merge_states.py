@@ -3,9 +3,9 @@
 `merge_partials` reads a (token, head) row's partial states `block_states` at a time. A fixed
 value compiles one variant for every state count; the state count's next power of two (one loop
 step, one variant per count class) was the earlier choice. This times one merge launch per
-(rows, states) shape for several fixed values and for the next power of two (CUDA events over launches
-replayed from a CUDA graph), so that the decode step's cost of the fixed value can be read off:
-cascade's full 16k/256 step merges 256 x 32 rows of 2-4 states in each of 32 layers.
+(rows, states) shape for several fixed values and for the next power of two (CUDA events over
+launches replayed from a CUDA graph), so that the decode step's cost of the fixed value can be
+read off: cascade's full 16k/256 step merges 256 x 32 rows of 2-4 states in each of 32 layers.
 
     python3 benchmarks/merge_states.py --out /tmp/merge_states.json
 """
