@@ -62,9 +62,7 @@ def _merge_kernel(
     dst = (t * stride_ot + h * stride_oh)[:, None] + d[None, :]
     tl.store(O + dst, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        lse_out = top_safe + tl.log(tl.where(seen, total, 1.0))
-        lse_out = tl.where(seen, lse_out, float("-inf"))
+        lse_out = top + tl.log(tl.where(seen, total, 1.0))  # -inf where no state saw a key
         tl.store(Lse + t * stride_st + h * stride_sh, lse_out, mask=row_ok)
 
 
@@ -82,7 +80,8 @@ def merge_partials(
     block_states: int = MERGE_STATES,
 ) -> None:
     """Reduces N partial states per (token, head) into `out` (and their total lse), reading
-    `block_states` of them per loop step (a power of two; other values only for measuring)."""
+    `block_states` (a power of two) of them per loop step; values other than MERGE_STATES
+    compile variants of their own and serve only for measuring (benchmarks/merge_states.py)."""
     num_tokens, num_heads, num_states, head_dim = part_o.shape
     if num_tokens == 0:
         return
