@@ -7,6 +7,7 @@ merge kernel, interpreted) are what is checked."""
 
 import pytest
 import torch
+from checks import DEVICE
 
 from ppqa.engine.attention.triton_backend import CHUNK_ROWS, chunk_attention
 
@@ -36,8 +37,9 @@ def causal_reference(q, k, v, scale):
 def test_a_later_chunk_padded_and_merged_is_causal_attention(prior, tokens, heads, kv_heads):
     gen = torch.Generator().manual_seed(prior + tokens)
     d = 16
-    q, k, v = (torch.randn(prior + tokens, h, d, generator=gen) for h in (heads, kv_heads, kv_heads))
-    o = torch.full((tokens, heads, d), float("nan"))
+    q, k, v = (torch.randn(prior + tokens, h, d, generator=gen).to(DEVICE)
+               for h in (heads, kv_heads, kv_heads))
+    o = torch.full((tokens, heads, d), float("nan"), device=DEVICE)
     calls: list = []
     scale = d ** -0.5
     chunk_attention(q[prior:], k[prior:], v[prior:], k[:prior], v[:prior], o, scale,
