@@ -47,11 +47,11 @@ step() {  # step NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log,
   grep -v -i -E "warn|return F\.|return torch\.|^\s*$" "$OUT/$name.log" | tail -n "${TAIL:-6}"
 }
 
-e2e() {  # e2e WORKLOAD LIMIT [bench args]
-  local w=$1 limit=$2
+e2e() {  # e2e WORKLOAD LIMIT [bench args]; TAG names the log and JSON (default: WORKLOAD)
+  local w=$1 limit=$2 name=${TAG:-$1}
   shift 2
-  step "e2e_$w" "$limit" python3 -m ppqa bench --e2e "$w" --modes stock,auto --passes 1 \
-    --out "$OUT/e2e_$w.json" "$@"
+  step "e2e_$name" "$limit" python3 -m ppqa bench --e2e "$w" --modes stock,auto --passes 1 \
+    --out "$OUT/e2e_$name.json" "$@"
 }
 
 for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline}; do
@@ -109,6 +109,12 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
         --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;
     paper) e2e paper 260 ;;
+    # `ppqa run --warmup cold` (PPQA_WARMUP): no warm-up where the Triton cache is warm
+    papercold) PPQA_WARMUP=cold TAG=paper_cold e2e paper 260 ;;
+    paperauto) TAG=paper_auto e2e paper 100 --modes auto ;;
+    paperautocold) PPQA_WARMUP=cold TAG=paper_auto_cold e2e paper 100 --modes auto ;;
+    labelingcold) PPQA_WARMUP=cold TAG=labeling_cold e2e labeling 150 --max-docs 50 ;;
+    quality2cold) PPQA_WARMUP=cold TAG=quality_cold e2e quality 200 --max-docs 20 --passes 2 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
     arrivals) e2e arrivals 200 --max-docs 50 --arrival-seconds 30 ;;
     gguf1)  # the real SmolLM2 GGUF is over one call's carry: its first part waits in /tmp

@@ -112,6 +112,12 @@ def run(
     json_out: Annotated[bool, typer.Option(
         "--json", help="At the end, print a JSON summary of every job this worker ran on "
                        "stdout (progress stays on stderr).")] = False,
+    warmup: Annotated[str, typer.Option(
+        "--warmup", envvar="PPQA_WARMUP", metavar="always|cold",
+        help="GPU: run the warm-up (synthetic work that compiles the kernels and captures "
+             "decode graphs) before the first claim 'always', or only when this machine's "
+             "Triton cache lacks the model's kernels ('cold': a warm start goes straight to "
+             "work and captures graphs as its own step shapes recur).")] = "always",
 ) -> None:
     from ppqa.engine import precompile  # no torch: helpers start before it loads
     from ppqa.worker.loop import Worker, WorkerError, WorkerOptions
@@ -124,6 +130,8 @@ def run(
         check_mode(mode, "--mode")
     except ValueError as exc:
         fail(str(exc))
+    if warmup not in ("always", "cold"):
+        fail(f"--warmup must be 'always' or 'cold', got {warmup!r}")
     if streams is not None and streams != "auto" and (not streams.isdigit() or int(streams) < 1):
         fail(f"--streams must be a whole number >= 1 or 'auto', got {streams!r}")
     from_env = getattr(ctx.get_parameter_source("gpu"), "name", "") == "ENVIRONMENT"
@@ -172,7 +180,8 @@ def run(
         else:
             engine = load_engine(model, device_name, **pool)
         built = time.perf_counter()
-        warm = engine.warmup() if engine.device.type == "cuda" else 0.0
+        skipped = warmup == "cold" and engine.kernels_cached()
+        warm = engine.warmup() if engine.device.type == "cuda" and not skipped else 0.0
     except SetupError as exc:
         precompile.stop()
         fail(str(exc))
@@ -182,7 +191,8 @@ def run(
         + f"torch and the device {loaded - began:.1f} s, model and KV pool {built - loaded:.1f} s"
         + (f" (of which {helped[2]:.1f} s waiting for {helped[1]} compile helpers, "
            f"{helped[0]} finished)" if helped else "")
-        + (f", kernels compiled and graphs captured {warm:.1f} s" if warm else ""))
+        + (f", kernels compiled and graphs captured {warm:.1f} s" if warm else "")
+        + (", no warm-up (the Triton cache holds the model's kernels)" if skipped else ""))
     if streams is not None and streams != "auto":
         streams = int(streams)
     options = WorkerOptions(model=model, device=device_name, mode=mode, streams=streams,
@@ -240,7 +250,7 @@ def _stop_on_signals(worker, progress) -> dict:
 
 # The options a child of --gpus repeats as they were given (by their parameter names).
 _CHILD_OPTIONS = ("model", "mode", "streams", "max_jobs", "max_questions", "lease_seconds",
-                  "max_attempts", "mem_fraction", "kv_tokens")
+                  "max_attempts", "mem_fraction", "kv_tokens", "warmup")
 
 
 def _child_options(params: dict) -> list[str]:

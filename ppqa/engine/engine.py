@@ -213,6 +213,17 @@ class Engine:
             precompile.mark_warm(self.model_name, vars(self.config))
         return time.perf_counter() - began
 
+    def kernels_cached(self) -> bool:
+        """Whether this is a GPU whose Triton cache holds the kernels the warm-up meets: a
+        warm-up of this model and configuration, with today's kernel sources, completed there
+        (engine/precompile.py's marker). Then a session finds each kernel on disk at its first
+        use, and `warmup` would add only graphs for its own synthetic step shapes."""
+        if self.device.type != "cuda":
+            return False
+        from ppqa.engine import precompile
+
+        return precompile.marker(self.model_name, vars(self.config)).exists()
+
     def warmup_phases(self) -> list[tuple[str, Callable[[], None]]]:
         """The warm-up as named phases, each synthetic work that meets a set of kernels and
         graphs: `long` a document one chunk longer than `max_prefill_tokens` (its second chunk
