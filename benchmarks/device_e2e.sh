@@ -109,12 +109,12 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
         --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;
     paper) e2e paper 260 ;;
-    # `ppqa run --warmup cold` (PPQA_WARMUP): no warm-up where the Triton cache is warm
-    papercold) PPQA_WARMUP=cold TAG=paper_cold e2e paper 260 ;;
+    # `ppqa run --warmup always` (PPQA_WARMUP) against the default `cold`, which runs no
+    # warm-up where the Triton cache holds the model's kernels
+    paperalways) PPQA_WARMUP=always TAG=paper_always e2e paper 260 ;;
     paperauto) TAG=paper_auto e2e paper 100 --modes auto ;;
-    paperautocold) PPQA_WARMUP=cold TAG=paper_auto_cold e2e paper 100 --modes auto ;;
-    labelingcold) PPQA_WARMUP=cold TAG=labeling_cold e2e labeling 150 --max-docs 50 ;;
-    quality2cold) PPQA_WARMUP=cold TAG=quality_cold e2e quality 200 --max-docs 20 --passes 2 ;;
+    paperautoalways) PPQA_WARMUP=always TAG=paper_auto_always e2e paper 100 --modes auto ;;
+    labelingalways) PPQA_WARMUP=always TAG=labeling_always e2e labeling 150 --max-docs 50 ;;
     labeling) e2e labeling 150 --max-docs 50 ;;
     arrivals) e2e arrivals 200 --max-docs 50 --arrival-seconds 30 ;;
     gguf1)  # the real SmolLM2 GGUF is over one call's carry: its first part waits in /tmp

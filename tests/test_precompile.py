@@ -94,3 +94,12 @@ def test_warmup_on_the_cpu_writes_no_marker(triton_cache):
     engine = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
     engine.warmup()
     assert not precompile.marker("dummy:tiny-gqa", {}).exists()
+
+
+def test_the_cpu_never_counts_its_kernels_cached(triton_cache):
+    """`ppqa run --warmup cold` skips the warm-up only on a GPU with the marker: the CPU
+    compiles no kernels, so a marker for the model there changes nothing."""
+    engine = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
+    precompile.mark_warm("dummy:tiny-gqa", vars(engine.config))
+    assert precompile.marker("dummy:tiny-gqa", vars(engine.config)).exists()
+    assert not engine.kernels_cached()

@@ -30,6 +30,7 @@ def _job_state(db, job_id: int):
     (["--mode", "fast"], "unknown --mode 'fast'"),
     (["--streams", "0"], "--streams must be a whole number >= 1 or 'auto'"),
     (["--streams", "many"], "--streams must be a whole number >= 1 or 'auto'"),
+    (["--warmup", "never"], "--warmup must be 'always' or 'cold'"),
 ])
 def test_bad_setup_exits_2_before_claiming(sqlite_db, sqlite_path, add_job, args, message):
     job = add_job(sqlite_db)

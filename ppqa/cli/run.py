@@ -114,10 +114,12 @@ def run(
                        "stdout (progress stays on stderr).")] = False,
     warmup: Annotated[str, typer.Option(
         "--warmup", envvar="PPQA_WARMUP", metavar="always|cold",
-        help="GPU: run the warm-up (synthetic work that compiles the kernels and captures "
-             "decode graphs) before the first claim 'always', or only when this machine's "
-             "Triton cache lacks the model's kernels ('cold': a warm start goes straight to "
-             "work and captures graphs as its own step shapes recur).")] = "always",
+        help="GPU: when to run the warm-up, synthetic work before the first claim that "
+             "compiles the kernels and captures decode graphs for its own step shapes. 'cold' "
+             "(default): only where this machine's Triton cache lacks the model's kernels; a "
+             "warm start goes straight to work and captures graphs as its jobs' step shapes "
+             "recur (~2 s sooner done on the H200). 'always': every start, e.g. so that the "
+             "first job's speed report includes no first use of the GPU libraries.")] = "cold",
 ) -> None:
     from ppqa.engine import precompile  # no torch: helpers start before it loads
     from ppqa.worker.loop import Worker, WorkerError, WorkerOptions

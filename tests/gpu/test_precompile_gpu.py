@@ -65,3 +65,19 @@ def precompile_groups():
     from ppqa.engine import precompile
 
     return precompile.HELPER_PHASES
+
+
+def test_kernels_cached_follows_the_models_marker(tmp_path, monkeypatch):
+    """What `ppqa run --warmup cold` asks: the marker of this model and configuration, in the
+    Triton cache the process uses."""
+    from ppqa import Engine
+    from ppqa.config import EngineConfig
+    from ppqa.engine import precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    engine = Engine(MODEL, device="cuda", config=EngineConfig(mem_fraction=0.05))
+    assert not engine.kernels_cached()
+    precompile.mark_warm(MODEL, {**vars(engine.config), "max_batch_requests": 8})
+    assert not engine.kernels_cached()  # another configuration's kernels
+    precompile.mark_warm(MODEL, vars(engine.config))
+    assert engine.kernels_cached()
