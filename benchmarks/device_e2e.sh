@@ -65,10 +65,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
-    startup_alt)  # another helper layout on an empty cache (ALT_GROUPS, startup_profile --groups)
+    startup_alt)  # another helper layout on an empty cache: ALT_LAYOUT (record or phases),
+      # ALT_GROUPS (phases only: startup_profile --groups)
       export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
       step startup_alt 120 python3 benchmarks/startup_profile.py --no-profile --helpers \
-        --groups "${ALT_GROUPS:?}" --out "$OUT/startup_alt.json"
+        --layout "${ALT_LAYOUT:-phases}" ${ALT_GROUPS:+--groups "$ALT_GROUPS"} --out "$OUT/startup_alt.json"
       unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels ;;
@@ -78,6 +79,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step prefillab 240 python3 benchmarks/profile_prefill.py --models dummy:qwen2.5-7b+bpe,dummy:codellama-7b+bpe \
         --doc-tokens ${AB_LENGTHS:-16001,20483} --questions 18 --question-tokens 20 --chunk-paths \
         --out "$OUT/prefill_chunks.json" ;;
+    pytestsel)  # the GPU tests PYTEST_SEL names (files or node ids), e.g. after a change to them
+      step pytestsel 240 python3 -m pytest -q -n 4 -p no:cacheprovider ${PYTEST_SEL:?} ;;
     pytestfc)  # the fused-causal and later-chunk GPU tests alone
       step pytestfc 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_causal.py ;;
     prefill)

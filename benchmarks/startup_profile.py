@@ -38,6 +38,11 @@ def main() -> None:
     ap.add_argument("--helpers", action="store_true",
                     help="start compile helpers first, as `ppqa run` does (engine/precompile.py; "
                          "none start where the Triton cache holds this model's marker)")
+    ap.add_argument("--warmup", default="cold", choices=["always", "cold"],
+                    help="as `ppqa run --warmup`: 'cold' skips the warm-up where the Triton "
+                         "cache holds the model's marker")
+    ap.add_argument("--layout", default="record", choices=["record", "phases"],
+                    help="with --helpers: how they split the compiling (engine/precompile.py)")
     ap.add_argument("--groups", default=None,
                     help="with --helpers: the warm-up phases per helper, to compare layouts "
                          "(e.g. 'long|many|few-stock,mixed'; default precompile.HELPER_PHASES)")
@@ -48,8 +53,10 @@ def main() -> None:
 
         if args.groups:
             precompile.HELPER_PHASES = tuple(tuple(g.split(",")) for g in args.groups.split("|"))
+        phases["helper_layout"] = args.layout
         phases["helper_groups"] = [list(g) for g in precompile.HELPER_PHASES]
-        phases["helpers_started"] = len(precompile.start(args.model, args.device))
+        phases["helpers_started"] = len(precompile.start(args.model, args.device,
+                                                         layout=args.layout))
     t = time.perf_counter()
     import torch
 
@@ -82,7 +89,8 @@ def main() -> None:
     if not args.no_profile:
         prof2.enable()
     by_phase = {}
-    for name, phase in engine.warmup_phases():
+    phases["warmup_skipped"] = args.warmup == "cold" and engine.kernels_cached()
+    for name, phase in [] if phases["warmup_skipped"] else engine.warmup_phases():
         began, seen = time.perf_counter(), len(compiles)
         phase()
         by_phase[name] = {"seconds": round(time.perf_counter() - began, 3),

@@ -4,6 +4,7 @@ tests/gpu/test_precompile_gpu.py checks that they leave the worker's warm-up not
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 
@@ -59,7 +60,7 @@ def test_no_helpers_on_the_cpu_under_the_interpreter_or_on_a_warm_cache(triton_c
 def test_a_helper_that_fails_is_counted_and_leaves_nothing_running(triton_cache, monkeypatch):
     # A device that does not exist: the helper process starts, fails to build, and exits.
     monkeypatch.setattr(precompile, "HELPER_PHASES", (("few-stock",),))
-    helpers = precompile.start("dummy:tiny-gqa", "cuda:99")
+    helpers = precompile.start("dummy:tiny-gqa", "cuda:99", layout="phases")
     assert len(helpers) == 1
     assert precompile.wait(timeout=120) == (0, 1)
     assert helpers[0].process.returncode not in (0, None)
@@ -103,3 +104,93 @@ def test_the_cpu_never_counts_its_kernels_cached(triton_cache):
     precompile.mark_warm("dummy:tiny-gqa", vars(engine.config))
     assert precompile.marker("dummy:tiny-gqa", vars(engine.config)).exists()
     assert not engine.kernels_cached()
+
+
+def test_the_recorder_lists_each_variant_once_and_skips_it(tmp_path):
+    """`record_variants` with the call Triton makes on a kernel variant it has not compiled
+    (JITFunction._do_compile's jit_cache_hook): each variant listed once, in the order met,
+    every launch skipped, a phase that fails recorded, the list written, the hook restored."""
+    from triton import knobs
+
+    class Info:  # triton's JitFunctionInfo
+        module, name = "ppqa.kernels.fake", "_kernel"
+
+    skipped = []
+
+    def launch(spec):
+        skipped.append(knobs.runtime.jit_cache_hook(
+            key=spec, repr=spec, fn=Info(), compile={"key": spec, "specialization_data": spec},
+            is_manual_warmup=False, already_compiled=False))
+
+    def garbage():
+        launch("c")
+        raise RuntimeError("nan in the logits")
+
+    class Engine:
+        def warmup_phases(self):
+            return [("a", lambda: [launch(v) for v in ("x", "y", "x")]), ("b", garbage),
+                    ("c", lambda: launch("z"))]
+
+    before = knobs.runtime.jit_cache_hook
+    result = precompile.record_variants(Engine(), tmp_path)
+    assert result == {"variants": 4, "failed": ["b: RuntimeError: nan in the logits"]}
+    listed = json.loads((tmp_path / "variants.json").read_text())
+    assert [v["spec"] for v in listed] == ["x", "y", "c", "z"]
+    assert listed[0] == {"module": "ppqa.kernels.fake", "name": "_kernel", "spec": "x"}
+    assert skipped == [True] * 5 and knobs.runtime.jit_cache_hook is before
+
+
+FAKE_KERNELS = """
+import os
+
+class Kernel:
+    def preload(self, spec):
+        if spec == "bad":
+            raise ValueError("cannot compile")
+        with open(os.environ["COMPILED_LOG"], "a") as log:
+            log.write(spec + "\\n")
+
+class Wrapper:  # as triton.autotune's: the kernel is .fn
+    fn = Kernel()
+
+kernel, wrapped = Kernel(), Wrapper()
+"""
+
+
+def test_compilers_compile_each_listed_variant_once(tmp_path):
+    """Three compiling helpers started before the list exists: they wait for it, and each
+    variant is compiled by exactly one of them (a wrapped kernel unwrapped; one that fails
+    to compile reported, not fatal)."""
+    (tmp_path / "fake_kernels.py").write_text(FAKE_KERNELS)
+    folder = tmp_path / "helpers"
+    folder.mkdir()
+    env = {**os.environ, "COMPILED_LOG": str(tmp_path / "compiled.log"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    code = ("import json, pathlib, sys; from ppqa.engine.precompile import compile_listed; "
+            "print(json.dumps(compile_listed(pathlib.Path(sys.argv[1]))))")
+    helpers = [subprocess.Popen([sys.executable, "-c", code, str(folder)], env=env, text=True,
+                                stdout=subprocess.PIPE) for _ in range(3)]
+    specs = [f"v{i}" for i in range(12)]
+    precompile.write_list(folder, [{"module": "fake_kernels", "name": "kernel", "spec": v}
+                                   for v in specs + ["bad"]]
+                          + [{"module": "fake_kernels", "name": "wrapped", "spec": "w"}])
+    reports = []
+    for helper in helpers:
+        out, _ = helper.communicate(timeout=120)
+        assert helper.returncode == 0
+        reports += json.loads(out.strip().splitlines()[-1])
+    assert sorted((tmp_path / "compiled.log").read_text().split()) == sorted(specs + ["w"])
+    assert len(reports) == 14
+    failed = [seconds for _, seconds in reports if isinstance(seconds, str)]
+    assert failed == ["ValueError: cannot compile"]
+
+
+def test_record_helpers_that_fail_leave_nothing_running(triton_cache):
+    # A device that does not exist: the recorder fails to build and writes an empty list, so
+    # the compilers, which fail on the device as well, wait for nothing.
+    helpers = precompile.start("dummy:tiny-gqa", "cuda:99")
+    assert helpers[0].phases == ("record",) and len(helpers) >= 2
+    assert all(h.phases == ("compile",) for h in helpers[1:])
+    assert precompile.wait(timeout=120) == (0, len(helpers))
+    assert all(h.process.returncode not in (0, None) for h in helpers)
+    assert json.loads((helpers[0].log.parent / "variants.json").read_text()) == []

@@ -3,12 +3,21 @@
 On a machine whose Triton cache has never held this engine's kernels, `Engine.warmup` compiles
 a few dozen kernel variants one after another (~20 s on the H200 for a 7B model,
 results/h200/startup_cold_phases.json). A worker that starts helpers before it imports torch
-gets them compiled in parallel instead: each helper is a child process that builds a two-layer
-copy of the model (the same dimensions, random weights, a small KV pool) and runs some of the
-warm-up's phases (`Engine.warmup_phases`), which writes the compiled kernels into the shared
-Triton cache. The worker meanwhile imports torch and loads its weights; before it sizes its KV
-pool (which takes a share of the GPU memory then free) it waits for the helpers to exit, and its
-own warm-up then finds the kernels on disk.
+gets them compiled in parallel instead, while it imports torch and loads its weights; before it
+sizes its KV pool (which takes a share of the GPU memory then free) it waits for the helpers to
+exit, and its own warm-up then finds the kernels on disk. Each helper builds a two-layer copy
+of the model (the same dimensions, random weights, a small KV pool). Two layouts:
+
+- `record` (the default): one helper runs every warm-up phase (`Engine.warmup_phases`) with a
+  Triton hook that records each kernel variant a launch asks for and skips it (nothing is
+  compiled or launched, so the phases take a second or two and compute garbage, which no
+  host-side choice reads: sampling is greedy and answers have fixed lengths), and writes the
+  list of variants; the others (`COMPILERS`) wait for the list and compile its variants, each
+  claiming the next one not yet claimed (`JITFunction.preload`), so every variant is compiled
+  once, in parallel. The recorder joins them once its list is out.
+- `phases`: each helper runs a group of the warm-up's phases (`HELPER_PHASES`) for real, which
+  writes the kernels they meet into the shared cache; every helper compiles the kernels all
+  phases share again (~6.5 s of its first phase).
 
 A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
 configuration and kernel source has completed there; helpers start only where it is missing, so
@@ -44,6 +53,11 @@ HELPER_PHASES = (("long", "few-long"), ("many",),
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
 _WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worker compiles instead)
+LAYOUTS = ("record", "phases")
+# Compiling helpers beside the recorder in the `record` layout (at most; fewer where the machine
+# has fewer cores than that plus two, one for the worker and one for the recorder).
+COMPILERS = 8
+_LIST = "variants.json"  # the recorder's list, in the helpers' folder
 
 _started: list[Helper] = []  # helpers this process started and has not waited for
 last_wait: tuple[int, int, float] | None = None  # (finished well, started, seconds waited)
@@ -101,26 +115,35 @@ def likely_gpu(device: str | None) -> bool:
     return device.startswith("cuda")
 
 
-def start(model: str, device: str | None, fields: dict | None = None) -> list[Helper]:
+def start(model: str, device: str | None, fields: dict | None = None,
+          layout: str = "record") -> list[Helper]:
     """Start the helpers for `model` on `device` where the Triton cache lacks the model's
     marker and the device is a GPU; [] otherwise. `fields`: the EngineConfig fields the engine
-    will be built with."""
+    will be built with; `layout`: one of LAYOUTS (the module's docstring)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     fields = dict(fields or {})
     if os.environ.get("TRITON_INTERPRET") == "1" or not likely_gpu(device):
         return []
     if marker(model, fields).exists():
         return []
-    logs = Path(tempfile.mkdtemp(prefix="ppqa-compile-"))
+    folder = Path(tempfile.mkdtemp(prefix="ppqa-compile-"))
     started = time.time()
+    if layout == "phases":
+        roles = [("--phases", ",".join(phases)) for phases in HELPER_PHASES]
+    else:
+        compilers = max(1, min(COMPILERS, (os.cpu_count() or 1) - 2))
+        roles = [("--record", str(folder))] + [("--compile", str(folder))] * compilers
     helpers = []
-    for i, phases in enumerate(HELPER_PHASES):
-        log = logs / f"helper-{i}.log"
+    for i, (flag, value) in enumerate(roles):
+        log = folder / f"helper-{i}.log"
         with open(log, "w") as out:
             command = [sys.executable, "-m", "ppqa.engine.precompile", "--model", model,
-                       "--device", device or "cuda", "--phases", ",".join(phases),
+                       "--device", device or "cuda", flag, value,
                        "--fields", json.dumps(fields), "--started", repr(started)]
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        phases = tuple(value.split(",")) if flag == "--phases" else (flag[2:],)
         helpers.append(Helper(phases, process, log))
     _started.extend(helpers)
     return helpers
@@ -201,6 +224,91 @@ def shadow_engine(model: str, device: str, fields: dict):
                               device=device, config=config, model_name=model)
 
 
+def record_variants(engine, folder: Path) -> dict:
+    """Run every warm-up phase of `engine` with a Triton hook that records each kernel variant a
+    launch asks for and skips it (neither compiled nor launched), then write the list to
+    `folder` for the compiling helpers. Returns {"variants": count, "failed": [phase: error]}:
+    a phase that trips on the garbage the skipped kernels leave ends early, the next still run,
+    and the list is written whatever happens."""
+    from triton import knobs
+
+    variants: dict[str, dict] = {}
+
+    def hook(*, fn, compile, **_) -> bool:
+        spec = compile["specialization_data"]
+        variants.setdefault(spec, {"module": fn.module, "name": fn.name, "spec": spec})
+        return True  # skip it
+
+    failed = []
+    previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+    try:
+        for name, phase in engine.warmup_phases():
+            try:
+                phase()
+            except Exception as exc:  # noqa: BLE001 - recorded; the list is still useful
+                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+        write_list(folder, list(variants.values()))
+    return {"variants": len(variants), "failed": failed}
+
+
+def write_list(folder: Path, variants: list[dict]) -> None:
+    """The recorder's list of variants ({"module", "name", "spec"}: where the kernel is and
+    Triton's specialization data), written so that compilers see the whole list or none."""
+    partial = folder / (_LIST + ".part")
+    partial.write_text(json.dumps(variants))
+    os.replace(partial, folder / _LIST)
+
+
+def _imports_for_compiling(device: str) -> None:
+    """What compiling needs before the list is out: torch and Triton imported, the device's
+    context and Triton's driver up, the kernel modules loaded."""
+    import importlib
+    import pkgutil
+
+    import torch
+    from triton.runtime import driver
+
+    import ppqa.kernels
+
+    torch.cuda.set_device(torch.device(device))
+    driver.active.get_current_target()
+    for module in pkgutil.iter_modules(ppqa.kernels.__path__):
+        importlib.import_module(f"ppqa.kernels.{module.name}")
+
+
+def compile_listed(folder: Path, wait_seconds: float = _WAIT_SECONDS) -> list:
+    """Compile the variants of the recorder's list in `folder` (waiting for it) that no other
+    helper has claimed, each claimed by creating its claim file; [[kernel, seconds or error]]."""
+    import importlib
+
+    path = folder / _LIST
+    deadline = time.monotonic() + wait_seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no list of kernel variants in {folder} after {wait_seconds} s")
+        time.sleep(0.02)
+    done = []
+    for i, variant in enumerate(json.loads(path.read_text())):
+        try:
+            os.close(os.open(folder / f"claim-{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue  # another helper has it
+        t0 = time.perf_counter()
+        try:
+            kernel = importlib.import_module(variant["module"])
+            for part in variant["name"].split("."):
+                kernel = getattr(kernel, part)
+            while not hasattr(kernel, "preload") and hasattr(kernel, "fn"):  # a wrapper's kernel
+                kernel = kernel.fn
+            kernel.preload(variant["spec"])
+            done.append([variant["name"], round(time.perf_counter() - t0, 3)])
+        except Exception as exc:  # noqa: BLE001 - the worker's warm-up compiles it instead
+            done.append([variant["name"], f"{type(exc).__name__}: {exc}"])
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -208,14 +316,40 @@ def main(argv: list[str] | None = None) -> int:
                                              "model, filling the Triton cache (a compile helper).")
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", required=True)
-    ap.add_argument("--phases", required=True, help="warm-up phase names, comma-separated")
+    role = ap.add_mutually_exclusive_group(required=True)
+    role.add_argument("--phases", help="warm-up phase names, comma-separated (layout `phases`)")
+    role.add_argument("--record", metavar="FOLDER",
+                      help="record the warm-up's kernel variants into FOLDER, then compile")
+    role.add_argument("--compile", metavar="FOLDER",
+                      help="compile the variants FOLDER's recorder lists")
     ap.add_argument("--fields", default="{}", help="EngineConfig fields as JSON")
     ap.add_argument("--started", type=float, default=None,
                     help="when the worker started the helpers (epoch seconds): the report's origin")
     args = ap.parse_args(argv)
     origin = time.time() if args.started is None else args.started
     imported = time.time() - origin  # torch is not imported yet: `shadow_engine` does that
-    engine = shadow_engine(args.model, args.device, json.loads(args.fields))
+    if args.compile:
+        _imports_for_compiling(args.device)
+        built = time.time() - origin
+        compiled = compile_listed(Path(args.compile))
+        print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
+                          "compiled": compiled, "done_s": round(time.time() - origin, 3)}))
+        return 0
+    try:
+        engine = shadow_engine(args.model, args.device, json.loads(args.fields))
+    except BaseException:
+        if args.record:
+            write_list(Path(args.record), [])  # the compilers stop waiting
+        raise
+    if args.record:
+        built = time.time() - origin
+        recorded = record_variants(engine, Path(args.record))
+        listed = time.time() - origin
+        compiled = compile_listed(Path(args.record))
+        print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
+                          "listed_s": round(listed, 3), **recorded, "compiled": compiled,
+                          "done_s": round(time.time() - origin, 3)}))
+        return 0
     phases = dict(engine.warmup_phases())
     wanted = args.phases.split(",")
     unknown = [name for name in wanted if name not in phases]

@@ -2,6 +2,7 @@
 fresh process compiles nothing more (every kernel variant it meets is in the cache), and it
 marks the cache warm so that the next start starts no helpers."""
 
+import json
 import os
 import subprocess
 import sys
@@ -36,16 +37,25 @@ def _cache_entries(cache) -> set[str]:
     return {p.name for p in cache.iterdir() if p.is_dir()} if cache.exists() else set()
 
 
-def test_helpers_leave_the_warmup_nothing_to_compile(tmp_path):
+@pytest.mark.parametrize("layout", ["record", "phases"])
+def test_helpers_leave_the_warmup_nothing_to_compile(tmp_path, layout):
     cache = tmp_path / "triton-cache"
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
     env.pop("TRITON_INTERPRET", None)
     helpers = subprocess.run(
-        [sys.executable, "-c", "from ppqa.engine import precompile; "
-         f"n = len(precompile.start({MODEL!r}, 'cuda:0')); print('WAIT', precompile.wait(), n)"],
+        [sys.executable, "-c", "import json; from ppqa.engine import precompile; "
+         f"n = len(precompile.start({MODEL!r}, 'cuda:0', layout={layout!r})); "
+         "print(json.dumps([n, precompile.wait(), precompile.last_reports]))"],
         env=env, capture_output=True, text=True, timeout=600)
     assert helpers.returncode == 0, helpers.stderr
-    assert f"WAIT ({len(precompile_groups())}, {len(precompile_groups())})" in helpers.stdout
+    started, (finished, waited), reports = json.loads(helpers.stdout.strip().splitlines()[-1])
+    assert started > 1 and finished == waited == started, reports
+    if layout == "record":  # every listed variant compiled once, by one of the helpers
+        listed = reports[0]["variants"]
+        compiled = [c for r in reports for c in r["compiled"]]
+        assert listed > 0 and len(compiled) == listed, reports
+        assert all(isinstance(seconds, float) for _, seconds in compiled), reports
+        assert reports[0]["failed"] == [], reports
     compiled_by_helpers = _cache_entries(cache)
     assert compiled_by_helpers  # they wrote kernels
 
@@ -59,12 +69,6 @@ def test_helpers_leave_the_warmup_nothing_to_compile(tmp_path):
 
     marker = cache / precompile.marker(MODEL, {}).name
     assert marker.is_file()  # the next start needs no helpers
-
-
-def precompile_groups():
-    from ppqa.engine import precompile
-
-    return precompile.HELPER_PHASES
 
 
 def test_kernels_cached_follows_the_models_marker(tmp_path, monkeypatch):
