@@ -143,12 +143,19 @@ def test_the_recorder_lists_each_variant_once_and_skips_it(tmp_path):
 FAKE_KERNELS = """
 import os
 
+class Compiled:
+    def __init__(self, spec):
+        self.spec = spec
+
+    def _init_handles(self):  # triton's CompiledKernel: loads it, builds its launcher
+        with open(os.environ["COMPILED_LOG"], "a") as log:
+            log.write(self.spec + "\\n")
+
 class Kernel:
     def preload(self, spec):
         if spec == "bad":
             raise ValueError("cannot compile")
-        with open(os.environ["COMPILED_LOG"], "a") as log:
-            log.write(spec + "\\n")
+        return Compiled(spec)
 
 class Wrapper:  # as triton.autotune's: the kernel is .fn
     fn = Kernel()
@@ -159,8 +166,8 @@ kernel, wrapped = Kernel(), Wrapper()
 
 def test_compilers_compile_each_listed_variant_once(tmp_path):
     """Three compiling helpers started before the list exists: they wait for it, and each
-    variant is compiled by exactly one of them (a wrapped kernel unwrapped; one that fails
-    to compile reported, not fatal)."""
+    variant is compiled and loaded by exactly one of them (a wrapped kernel unwrapped; one that
+    fails to compile reported, not fatal)."""
     (tmp_path / "fake_kernels.py").write_text(FAKE_KERNELS)
     folder = tmp_path / "helpers"
     folder.mkdir()

@@ -13,8 +13,9 @@ of the model (the same dimensions, random weights, a small KV pool). Two layouts
   compiled or launched, so the phases take a second or two and compute garbage, which no
   host-side choice reads: sampling is greedy and answers have fixed lengths), and writes the
   list of variants; the others (`COMPILERS`) wait for the list and compile its variants, each
-  claiming the next one not yet claimed (`JITFunction.preload`), so every variant is compiled
-  once, in parallel. The recorder joins them once its list is out.
+  claiming the next one not yet claimed (`JITFunction.preload`, then loading it, which builds
+  its launcher), so every variant is compiled once, in parallel. The recorder joins them once
+  its list is out.
 - `phases`: each helper runs a group of the warm-up's phases (`HELPER_PHASES`) for real, which
   writes the kernels they meet into the shared cache; every helper compiles the kernels all
   phases share again (~6.5 s of its first phase).
@@ -272,7 +273,7 @@ def _imports_for_compiling(device: str) -> None:
 
     import ppqa.kernels
 
-    torch.cuda.set_device(torch.device(device))
+    torch.cuda.set_device(torch.device(device).index or 0)  # 'cuda' names the first GPU
     driver.active.get_current_target()
     for module in pkgutil.iter_modules(ppqa.kernels.__path__):
         importlib.import_module(f"ppqa.kernels.{module.name}")
@@ -302,7 +303,10 @@ def compile_listed(folder: Path, wait_seconds: float = _WAIT_SECONDS) -> list:
                 kernel = getattr(kernel, part)
             while not hasattr(kernel, "preload") and hasattr(kernel, "fn"):  # a wrapper's kernel
                 kernel = kernel.fn
-            kernel.preload(variant["spec"])
+            compiled = kernel.preload(variant["spec"])
+            # Loading it builds its launcher, a C module per signature that Triton keeps in
+            # the cache as well; a worker would otherwise build each at its first launch.
+            compiled._init_handles()
             done.append([variant["name"], round(time.perf_counter() - t0, 3)])
         except Exception as exc:  # noqa: BLE001 - the worker's warm-up compiles it instead
             done.append([variant["name"], f"{type(exc).__name__}: {exc}"])
