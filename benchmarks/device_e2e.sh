@@ -65,11 +65,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
-    startup_alt)  # another helper layout on an empty cache: ALT_LAYOUT (record or phases),
-      # ALT_GROUPS (phases only: startup_profile --groups)
+    startup_alt)  # another helper layout on an empty cache: ALT_LAYOUT (record, the default
+      # here, or phases), ALT_GROUPS (phases only: startup_profile --groups)
       export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
       step startup_alt 120 python3 benchmarks/startup_profile.py --no-profile --helpers \
-        --layout "${ALT_LAYOUT:-phases}" ${ALT_GROUPS:+--groups "$ALT_GROUPS"} --out "$OUT/startup_alt.json"
+        --layout "${ALT_LAYOUT:-record}" ${ALT_GROUPS:+--groups "$ALT_GROUPS"} --out "$OUT/startup_alt.json"
       unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels ;;

@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--warmup", default="cold", choices=["always", "cold"],
                     help="as `ppqa run --warmup`: 'cold' skips the warm-up where the Triton "
                          "cache holds the model's marker")
-    ap.add_argument("--layout", default="record", choices=["record", "phases"],
+    ap.add_argument("--layout", default="phases", choices=["phases", "record"],
                     help="with --helpers: how they split the compiling (engine/precompile.py)")
     ap.add_argument("--groups", default=None,
                     help="with --helpers: the warm-up phases per helper, to compare layouts "

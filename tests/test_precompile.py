@@ -195,7 +195,7 @@ def test_compilers_compile_each_listed_variant_once(tmp_path):
 def test_record_helpers_that_fail_leave_nothing_running(triton_cache):
     # A device that does not exist: the recorder fails to build and writes an empty list, so
     # the compilers, which fail on the device as well, wait for nothing.
-    helpers = precompile.start("dummy:tiny-gqa", "cuda:99")
+    helpers = precompile.start("dummy:tiny-gqa", "cuda:99", layout="record")
     assert helpers[0].phases == ("record",) and len(helpers) >= 2
     assert all(h.phases == ("compile",) for h in helpers[1:])
     assert precompile.wait(timeout=120) == (0, len(helpers))

@@ -8,7 +8,11 @@ sizes its KV pool (which takes a share of the GPU memory then free) it waits for
 exit, and its own warm-up then finds the kernels on disk. Each helper builds a two-layer copy
 of the model (the same dimensions, random weights, a small KV pool). Two layouts:
 
-- `record` (the default): one helper runs every warm-up phase (`Engine.warmup_phases`) with a
+- `phases` (the default): each helper runs a group of the warm-up's phases (`HELPER_PHASES`)
+  for real, which writes the kernels they meet into the shared cache; every helper compiles
+  the kernels all phases share again (~6.5 s of its first phase).
+- `record` (measured once, with its compilers failing: results/h200/startup_cold_record_s16c3.json;
+  not the default until a run with working compilers shows it sooner): one helper runs every warm-up phase (`Engine.warmup_phases`) with a
   Triton hook that records each kernel variant a launch asks for and skips it (nothing is
   compiled or launched, so the phases take a second or two and compute garbage, which no
   host-side choice reads: sampling is greedy and answers have fixed lengths), and writes the
@@ -16,9 +20,6 @@ of the model (the same dimensions, random weights, a small KV pool). Two layouts
   claiming the next one not yet claimed (`JITFunction.preload`, then loading it, which builds
   its launcher), so every variant is compiled once, in parallel. The recorder joins them once
   its list is out.
-- `phases`: each helper runs a group of the warm-up's phases (`HELPER_PHASES`) for real, which
-  writes the kernels they meet into the shared cache; every helper compiles the kernels all
-  phases share again (~6.5 s of its first phase).
 
 A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
 configuration and kernel source has completed there; helpers start only where it is missing, so
@@ -54,7 +55,7 @@ HELPER_PHASES = (("long", "few-long"), ("many",),
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
 _WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worker compiles instead)
-LAYOUTS = ("record", "phases")
+LAYOUTS = ("phases", "record")
 # Compiling helpers beside the recorder in the `record` layout (at most; fewer where the machine
 # has fewer cores than that plus two, one for the worker and one for the recorder).
 COMPILERS = 8
@@ -117,7 +118,7 @@ def likely_gpu(device: str | None) -> bool:
 
 
 def start(model: str, device: str | None, fields: dict | None = None,
-          layout: str = "record") -> list[Helper]:
+          layout: str = "phases") -> list[Helper]:
     """Start the helpers for `model` on `device` where the Triton cache lacks the model's
     marker and the device is a GPU; [] otherwise. `fields`: the EngineConfig fields the engine
     will be built with; `layout`: one of LAYOUTS (the module's docstring)."""
