@@ -11,15 +11,15 @@ of the model (the same dimensions, random weights, a small KV pool). Two layouts
 - `phases` (the default): each helper runs a group of the warm-up's phases (`HELPER_PHASES`)
   for real, which writes the kernels they meet into the shared cache; every helper compiles
   the kernels all phases share again (~6.5 s of its first phase).
-- `record` (measured once, with its compilers failing: results/h200/startup_cold_record_s16c3.json;
-  not the default until a run with working compilers shows it sooner): one helper runs every warm-up phase (`Engine.warmup_phases`) with a
-  Triton hook that records each kernel variant a launch asks for and skips it (nothing is
-  compiled or launched, so the phases take a second or two and compute garbage, which no
-  host-side choice reads: sampling is greedy and answers have fixed lengths), and writes the
-  list of variants; the others (`COMPILERS`) wait for the list and compile its variants, each
-  claiming the next one not yet claimed (`JITFunction.preload`, then loading it, which builds
-  its launcher), so every variant is compiled once, in parallel. The recorder joins them once
-  its list is out.
+- `record`: one helper runs every warm-up phase (`Engine.warmup_phases`) with a Triton hook
+  that records each kernel variant a launch asks for and skips it (nothing is compiled or
+  launched, so the phases take ~3.4 s and compute garbage, which no host-side choice reads:
+  sampling is greedy and answers have fixed lengths), and writes the list of variants; the
+  others (`COMPILERS`) wait for the list and compile its variants, each claiming the next one
+  not yet claimed (`JITFunction.preload`, then loading it, which builds its launcher), so every
+  variant is compiled once, in parallel. The recorder joins them once its list is out. Not the
+  default until a run with working compilers shows it sooner: its one run so far had them
+  fail (results/h200/startup_cold_record_s16c3.json).
 
 A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
 configuration and kernel source has completed there; helpers start only where it is missing, so
