@@ -7,7 +7,8 @@
 # wheels the device lacks) and `.carry` (PPQA_HOME with the saved BPE tokenizer) carried.
 # STEPS="startup pytest ..." runs a subset, in that order; BYTECODE=1 keeps compiled bytecode
 # between processes (PYTHONPYCACHEPREFIX), as a pip install does; HELPERS=1 starts compile helpers in the
-# start-up profiles (as `ppqa run` does), PROFILE=1 profiles the warm one; DEADLINE (s) bounds
+# start-up profiles (as `ppqa run` does), PROFILE=1 profiles the warm one, STARTUP_JOB=D,Q,T
+# times a job twice after the warm one is ready (startup_profile --job); DEADLINE (s) bounds
 # the whole call so that the archive is always written.
 # `.whl` holds cp312 manylinux wheels of what the device image lacks (device README, Notes):
 # SQLAlchemy, greenlet, pydantic, pydantic_core, typing_extensions, typing-inspection,
@@ -63,7 +64,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_cold 120 python3 benchmarks/startup_profile.py --no-profile ${HELPERS:+--helpers} \
         --out "$OUT/startup_cold.json"
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
-        --out "$OUT/startup_warm.json"
+        ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
     startup_alt)  # another helper layout on an empty cache: ALT_LAYOUT (record, the default
       # here, or phases), ALT_GROUPS (phases only: startup_profile --groups)

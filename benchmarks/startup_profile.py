@@ -41,6 +41,11 @@ def main() -> None:
     ap.add_argument("--warmup", default="cold", choices=["always", "cold"],
                     help="as `ppqa run --warmup`: 'cold' skips the warm-up where the Triton "
                          "cache holds the model's marker")
+    ap.add_argument("--job", default=None, metavar="DOC,QUESTIONS,TOKENS",
+                    help="after ready, run one job (a synthetic document of DOC tokens, QUESTIONS "
+                         "questions, TOKENS answer tokens, cascade) twice and time both: what "
+                         "the first use of the GPU libraries and kernels costs a run, e.g. "
+                         "2048,16,16")
     ap.add_argument("--layout", default="phases", choices=["phases", "record"],
                     help="with --helpers: how they split the compiling (engine/precompile.py)")
     ap.add_argument("--groups", default=None,
@@ -108,6 +113,8 @@ def main() -> None:
     phases["process_to_ready_s"] = time.perf_counter() - T0
     phases["graphs"] = engine.captured_graphs
     phases["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR", "default")
+    if args.job:
+        phases["job"] = time_job(engine, args.job, compiles)
     print(json.dumps(phases, indent=1))
     print("--- Engine() by cumulative time")
     print("\n".join(build_top))
@@ -116,6 +123,29 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"phases": phases, "warmup_phases": by_phase, "build_top": build_top,
                    "warmup_top": warm_top}, f, indent=1)
+
+
+def time_job(engine, spec: str, compiles: list) -> dict:
+    """The same small job run twice right after ready: seconds of each (the device synchronised)
+    and the compilations the first met."""
+    import torch
+
+    from ppqa import SamplingParams
+    from ppqa.engine.engine import _synthetic_text
+
+    doc_tokens, questions, tokens = (int(x) for x in spec.split(","))
+    doc = _synthetic_text(engine.tokenizer, doc_tokens)
+    asked = [f"What happened in paragraph {i}?" for i in range(questions)]
+    sampling = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    seconds, seen = [], len(compiles)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        engine.answer(doc, asked, mode="cascade", sampling=sampling)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(round(time.perf_counter() - t0, 3))
+    return {"spec": spec, "first_s": seconds[0], "again_s": seconds[1],
+            "first_compiles": compiles[seen:], "graphs_after": engine.captured_graphs}
 
 
 def count_compiles() -> list:
