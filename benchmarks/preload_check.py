@@ -11,7 +11,6 @@ differ between a launch and its preload are printed.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 
 
@@ -38,16 +37,11 @@ def compare(launched: list[dict], preloaded: list[dict]) -> list[dict]:
     return rows
 
 
-def role(name: str, model: str, phase: str, folder: str) -> None:
-    """One process of the cross-process check: `record` (the recorder helper's run, variants
-    skipped), `preload` (a compiler helper: the recorded variants preloaded) or `launch` (a
-    worker's warm-up phase); each logs its compile calls' key parts to FOLDER/NAME.json."""
-    from pathlib import Path
-
+def log_compiles() -> list[dict]:
+    """A list that every Triton compile from now on appends its cache key's parts to.
+    JITFunction takes `compile` from triton.compiler when its binder is made (first launch)."""
     import triton.compiler
     import triton.compiler.compiler as compiler
-
-    from ppqa.engine import precompile
 
     logged: list[dict] = []
     original = compiler.compile
@@ -57,6 +51,18 @@ def role(name: str, model: str, phase: str, folder: str) -> None:
         return original(src, target=target, options=options, _env_vars=_env_vars)
 
     compiler.compile = triton.compiler.compile = logging_compile
+    return logged
+
+
+def role(name: str, model: str, phase: str, folder: str) -> None:
+    """One process of the cross-process check: `record` (the recorder helper's run, variants
+    skipped), `preload` (a compiler helper: the recorded variants preloaded) or `launch` (a
+    worker's warm-up phase); each logs its compile calls' key parts to FOLDER/NAME.json."""
+    from pathlib import Path
+
+    from ppqa.engine import precompile
+
+    logged = log_compiles()
     folder = Path(folder)
     if name == "record":
         engine = precompile.shadow_engine(model, "cuda", {})
@@ -84,29 +90,11 @@ def main() -> None:
         role(args.role, args.model, args.phase, args.out)
         return
 
-    import triton.compiler
-    import triton.compiler.compiler as compiler
     from triton import knobs
 
     from ppqa.engine import precompile
 
-    logged: list[dict] = []
-    original = compiler.compile
-
-    def logging_compile(src, target=None, options=None, _env_vars=None):
-        backend = compiler.make_backend(target or compiler.driver.active.get_current_target())
-        parsed = backend.parse_options(dict(options or {}, **src.parse_options()))
-        env = compiler.get_cache_invalidating_env_vars() if _env_vars is None else _env_vars
-        logged.append({"kernel": src.name, "key": compiler.get_cache_key(src, backend, parsed, env),
-                       "fn_key": src.fn.cache_key, "attrs": str(src.attrs),
-                       "signature": str(sorted(src.signature.items())),
-                       "constants": str(sorted(src.constants.items())),
-                       "options": {k: str(v) for k, v in sorted(parsed.__dict__.items())},
-                       "env": str(sorted(env.items()))})
-        return original(src, target=target, options=options, _env_vars=_env_vars)
-
-    # JITFunction takes `compile` from triton.compiler when its binder is made (first launch)
-    compiler.compile = triton.compiler.compile = logging_compile
+    logged = log_compiles()
     engine = precompile.shadow_engine(args.model, "cuda", {})
     recorded: dict[str, dict] = {}
 
@@ -121,10 +109,7 @@ def main() -> None:
     launched = list(logged)
     logged.clear()
     for spec, where in recorded.items():
-        kernel = importlib.import_module(where["module"])
-        for part in where["name"].split("."):
-            kernel = getattr(kernel, part)
-        kernel.preload(spec)
+        precompile.jit_function(where["module"], where["name"]).preload(spec)
     preloaded = list(logged)
     print("-- one process: launched, then preloaded")
     rows = compare(launched, preloaded)

@@ -280,11 +280,22 @@ def _imports_for_compiling(device: str) -> None:
         importlib.import_module(f"ppqa.kernels.{module.name}")
 
 
+def jit_function(module: str, name: str):
+    """The Triton JIT function `name` (a qualified name) of `module`, as a jit_cache_hook names
+    it; a wrapper's (autotune, heuristics) is unwrapped."""
+    import importlib
+
+    kernel = importlib.import_module(module)
+    for part in name.split("."):
+        kernel = getattr(kernel, part)
+    while not hasattr(kernel, "preload") and hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel
+
+
 def compile_listed(folder: Path, wait_seconds: float = _WAIT_SECONDS) -> list:
     """Compile the variants of the recorder's list in `folder` (waiting for it) that no other
     helper has claimed, each claimed by creating its claim file; [[kernel, seconds or error]]."""
-    import importlib
-
     path = folder / _LIST
     deadline = time.monotonic() + wait_seconds
     while not path.exists():
@@ -299,12 +310,7 @@ def compile_listed(folder: Path, wait_seconds: float = _WAIT_SECONDS) -> list:
             continue  # another helper has it
         t0 = time.perf_counter()
         try:
-            kernel = importlib.import_module(variant["module"])
-            for part in variant["name"].split("."):
-                kernel = getattr(kernel, part)
-            while not hasattr(kernel, "preload") and hasattr(kernel, "fn"):  # a wrapper's kernel
-                kernel = kernel.fn
-            compiled = kernel.preload(variant["spec"])
+            compiled = jit_function(variant["module"], variant["name"]).preload(variant["spec"])
             # Loading it builds its launcher, a C module per signature that Triton keeps in
             # the cache as well; a worker would otherwise build each at its first launch.
             compiled._init_handles()
