@@ -165,7 +165,8 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(db_location, tmp_p
     rng = random.Random(20)
     # Answer budgets from 4 to 48 tokens: a victim finishes some answers and dies in the middle
     # of others (only finished answers are written; the rest is redone by a later worker).
-    # The queue is topped up whenever it runs low, so that every victim has work to die in.
+    # The queue is topped up whenever it runs low (below 300 open questions, some of them held by
+    # dead victims' leases), so that every victim has work to die in.
     jobs = queue_jobs(db_location, documents=6, jobs_per_document=4, questions=5,
                       budgets=(4, 16, 48))
     next_document = 6
@@ -201,10 +202,10 @@ def test_kill_9_at_random_points_loses_and_duplicates_nothing(db_location, tmp_p
                     kills_after_claim += claimed
                     now = store_figures(db_location)
                     answers_at_kill.append(now["answers"])
-                    if now["questions"] - now["answers"] < 150:
-                        jobs += queue_jobs(db_location, documents=2, jobs_per_document=4,
+                    if now["questions"] - now["answers"] < 300:
+                        jobs += queue_jobs(db_location, documents=4, jobs_per_document=4,
                                            questions=5, budgets=(4, 16, 48), start=next_document)
-                        next_document += 2
+                        next_document += 4
                 else:
                     continue
                 zygote.reap(pid)
