@@ -83,8 +83,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     pytestsel)  # the GPU tests PYTEST_SEL names (files or node ids), e.g. after a change to them
       step pytestsel 240 python3 -m pytest -q -n 4 -p no:cacheprovider ${PYTEST_SEL:?} ;;
     preload)  # whether a variant preloaded from its recorded data lands under its launch's key
-      TRITON_CACHE_DIR=/tmp/triton-preload-$$ step preload 120 python3 benchmarks/preload_check.py \
-        --out "$OUT/preload_check.json" ;;
+      TRITON_CACHE_DIR=/tmp/triton-preload-$$ step preload 150 python3 benchmarks/preload_check.py \
+        ${PRELOAD_ARGS:-} --out "$OUT/preload_check.json" ;;
     pytestfc)  # the fused-causal and later-chunk GPU tests alone
       step pytestfc 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_causal.py ;;
     prefill)

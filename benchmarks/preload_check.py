@@ -3,9 +3,13 @@ data land under the same Triton cache key as the launch that recorded it? One pr
 TRITON_CACHE_DIR: a two-layer engine runs one warm-up phase with a `jit_cache_hook` that records
 each variant's data (and lets it compile), then each recorded variant is preloaded; every
 `triton.compiler.compile` call is logged with the parts of its cache key, and the parts that
-differ between a launch and its preload are printed.
+differ between a launch and its preload are printed. Then the same across processes, as the
+record layout's helpers and a worker run (`cross_process`): the variants the recorder lists
+(launches skipped) against those real launches ask for, and what a worker compiles after the
+compilers preloaded the list.
 
     TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/preload_check.py --out preload_check.json
+    python3 benchmarks/preload_check.py --cross-only --phase all --out cross.json
 """
 
 from __future__ import annotations
@@ -54,11 +58,23 @@ def log_compiles() -> list[dict]:
     return logged
 
 
+def run_phases(engine, phase: str) -> None:
+    """The warm-up phase `phase` of `engine`, or every phase in order for `all`."""
+    for name, run in engine.warmup_phases():
+        if phase in ("all", name):
+            run()
+
+
 def role(name: str, model: str, phase: str, folder: str) -> None:
-    """One process of the cross-process check: `record` (the recorder helper's run, variants
-    skipped), `preload` (a compiler helper: the recorded variants preloaded) or `launch` (a
-    worker's warm-up phase); each logs its compile calls' key parts to FOLDER/NAME.json."""
+    """One process of the cross-process check, each on its own TRITON_CACHE_DIR except
+    `relaunch`: `record` (the recorder helper's run, variants skipped), `preload` (a compiler
+    helper: the recorded variants preloaded), `launch` (a worker's warm-up phases, each variant's
+    specialization data noted) and `relaunch` (the phases again on `preload`'s cache: what a
+    worker compiles after the helpers). Each logs its compile calls' key parts to
+    FOLDER/NAME.json."""
     from pathlib import Path
+
+    from triton import knobs
 
     from ppqa.engine import precompile
 
@@ -66,16 +82,115 @@ def role(name: str, model: str, phase: str, folder: str) -> None:
     folder = Path(folder)
     if name == "record":
         engine = precompile.shadow_engine(model, "cuda", {})
-        phases = dict(engine.warmup_phases())
-        engine.warmup_phases = lambda: [(phase, phases[phase])]
-        precompile.record_variants(engine, folder)
+        phases = engine.warmup_phases
+        engine.warmup_phases = lambda: [(n, r) for n, r in phases() if phase in ("all", n)]
+        report = precompile.record_variants(engine, folder)
+        (folder / "record_report.json").write_text(json.dumps(report))
     elif name == "preload":
         precompile._imports_for_compiling("cuda")
         precompile.compile_listed(folder)
     else:
         engine = precompile.shadow_engine(model, "cuda", {})
-        dict(engine.warmup_phases())[phase]()
+        specs: dict[str, dict] = {}
+
+        def hook(*, fn, compile, **_):
+            spec = compile["specialization_data"]
+            specs.setdefault(spec, {"module": fn.module, "name": fn.name, "spec": spec})
+            return None  # compile as usual
+
+        knobs.runtime.jit_cache_hook = hook
+        run_phases(engine, phase)
+        knobs.runtime.jit_cache_hook = None
+        (folder / f"{name}_specs.json").write_text(json.dumps(list(specs.values())))
     (folder / f"{name}.json").write_text(json.dumps(logged))
+
+
+def spec_diff(a: dict, b: dict) -> dict:
+    """The fields of two specialization data objects (parsed) that differ."""
+    out = {}
+    for k in sorted(set(a) | set(b)):
+        if k in ("constant_keys", "constant_vals", "attrs_keys", "attrs_vals"):
+            continue
+        if a.get(k) != b.get(k):
+            if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+                out.update({f"{k}.{f}": [a[k].get(f), b[k].get(f)]
+                            for f in sorted(set(a[k]) | set(b[k])) if a[k].get(f) != b[k].get(f)})
+            else:
+                out[k] = [a.get(k), b.get(k)]
+    for keys, vals in (("constant_keys", "constant_vals"), ("attrs_keys", "attrs_vals")):
+        da = {str(x): v for x, v in zip(a[keys], a[vals])}
+        db = {str(x): v for x, v in zip(b[keys], b[vals])}
+        out.update({f"{vals}{k}": [da.get(k), db.get(k)]
+                    for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)})
+    return out
+
+
+def nearest(entry: dict, candidates: list[dict], differ) -> tuple[dict | None, dict]:
+    """The candidate (of the same kernel) with the fewest differing parts, and those parts."""
+    best, best_diff = None, {}
+    for c in candidates:
+        d = differ(entry, c)
+        if best is None or len(d) < len(best_diff):
+            best, best_diff = c, d
+    return best, best_diff
+
+
+def cross_process(model: str, phase: str) -> dict:
+    """record, preload, launch and relaunch in separate processes (`role`); what the recorder
+    missed or saw differently from real launches, and what a worker compiled after the
+    compilers, with the parts that differ from the nearest preloaded variant."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="preload-check-")
+    caches = {n: tempfile.mkdtemp(prefix=f"cache-{n}-") for n in ("record", "preload", "launch")}
+    caches["relaunch"] = caches["preload"]
+    for name in ("record", "preload", "launch", "relaunch"):
+        env = {**os.environ, "TRITON_CACHE_DIR": caches[name]}
+        subprocess.run([sys.executable, __file__, "--role", name, "--model", model,
+                        "--phase", phase, "--out", folder], env=env, check=True)
+
+    def load(name):
+        return json.loads(open(os.path.join(folder, name)).read())
+
+    recorded = {v["spec"]: v for v in load("variants.json")}
+    launched = {v["spec"]: v for v in load("launch_specs.json")}
+    only_launched = [v for s, v in launched.items() if s not in recorded]
+    only_recorded = [v for s, v in recorded.items() if s not in launched]
+    print(f"-- specs: recorded {len(recorded)}, launched {len(launched)}, "
+          f"launched only {len(only_launched)}, recorded only {len(only_recorded)}")
+    spec_rows = []
+    for v in only_launched:
+        same_kernel = [json.loads(r["spec"]) for r in recorded.values() if r["name"] == v["name"]]
+        _, diff = nearest(json.loads(v["spec"]), same_kernel, spec_diff)
+        spec_rows.append({"kernel": v["name"], "nearest_recorded_diff": diff})
+        print("launched, not recorded:", v["name"], diff if same_kernel else "(kernel never recorded)")
+    for v in only_recorded:
+        print("recorded, not launched:", v["name"])
+
+    preload_keys = load("preload.json")
+    have = {e["key"] for e in preload_keys}
+    misses = [e for e in load("relaunch.json") if e["key"] not in have]
+    print(f"-- keys: preloaded {len(preload_keys)}, relaunch compiles {len(load('relaunch.json'))}, "
+          f"not preloaded {len(misses)}")
+
+    def key_diff(a, b):
+        d = {k: [a[k], b[k]] for k in a if k not in ("options", "key") and a[k] != b[k]}
+        d.update({f"options.{k}": [a["options"][k], b["options"].get(k)]
+                  for k in a["options"] if a["options"][k] != b["options"].get(k)})
+        return d
+
+    key_rows = []
+    for e in misses:
+        near = [b for b in preload_keys if b["kernel"] == e["kernel"]]
+        _, diff = nearest(e, near, key_diff)
+        key_rows.append({"kernel": e["kernel"], "nearest_preloaded_diff": diff})
+        print("relaunch miss:", e["kernel"], diff if near else "(kernel never preloaded)")
+    return {"recorded": len(recorded), "launched": len(launched),
+            "record_report": load("record_report.json"), "only_launched": spec_rows,
+            "only_recorded": [v["name"] for v in only_recorded], "misses": key_rows}
 
 
 def main() -> None:
@@ -83,11 +198,17 @@ def main() -> None:
     ap.add_argument("--model", default="dummy:tiny-gqa")
     ap.add_argument("--phase", default="few-stock")
     ap.add_argument("--out", default="preload_check.json")
+    ap.add_argument("--cross-only", action="store_true",
+                    help="only the cross-process check (--phase all: every warm-up phase)")
     ap.add_argument("--role", default=None, help="record | preload | launch (one process of "
                     "the cross-process check; FOLDER is --out)")
     args = ap.parse_args()
     if args.role:
         role(args.role, args.model, args.phase, args.out)
+        return
+    if args.cross_only:
+        with open(args.out, "w") as f:
+            json.dump({"cross": cross_process(args.model, args.phase)}, f, indent=1)
         return
 
     from triton import knobs
@@ -104,7 +225,7 @@ def main() -> None:
         return None  # compile as usual
 
     knobs.runtime.jit_cache_hook = hook
-    dict(engine.warmup_phases())[args.phase]()
+    run_phases(engine, args.phase)
     knobs.runtime.jit_cache_hook = None
     launched = list(logged)
     logged.clear()
@@ -113,33 +234,9 @@ def main() -> None:
     preloaded = list(logged)
     print("-- one process: launched, then preloaded")
     rows = compare(launched, preloaded)
-    # Across processes, as the helpers and the worker run: each with its own empty cache.
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    folder = tempfile.mkdtemp(prefix="preload-check-")
-    for name in ("record", "preload", "launch"):
-        env = {**os.environ, "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix=f"cache-{name}-")}
-        subprocess.run([sys.executable, __file__, "--role", name, "--model", args.model,
-                        "--phase", args.phase, "--out", folder], env=env, check=True)
-    logs = {n: json.loads(open(os.path.join(folder, f"{n}.json")).read())
-            for n in ("preload", "launch")}
-    print("-- across processes: a worker's launch against a compiler's preload")
-    by_kernel = {}
-    for entry in logs["preload"]:
-        by_kernel.setdefault(entry["kernel"], []).append(entry)
-    pairs = []
-    for a in logs["launch"]:
-        near = by_kernel.get(a["kernel"], [])
-        same = [b for b in near if b["key"] == a["key"]]
-        pairs.append((a, same[0] if same else (near[0] if near else a)))
-    cross = compare([a for a, _ in pairs], [b for _, b in pairs])
     with open(args.out, "w") as f:
         json.dump({"launched": len(launched), "preloaded": len(preloaded), "rows": rows,
-                   "cross": cross, "cross_counts": {k: len(v) for k, v in logs.items()}}, f,
-                  indent=1)
+                   "cross": cross_process(args.model, args.phase)}, f, indent=1)
 
 
 if __name__ == "__main__":
