@@ -8,7 +8,7 @@
 # STEPS="startup pytest ..." runs a subset, in that order; BYTECODE=1 keeps compiled bytecode
 # between processes (PYTHONPYCACHEPREFIX), as a pip install does; HELPERS=1 starts compile helpers in the
 # start-up profiles (as `ppqa run` does), PROFILE=1 profiles the warm one, STARTUP_JOB=D,Q,T
-# times a job twice after the warm one is ready (startup_profile --job); DEADLINE (s) bounds
+# times a job twice after each start-up is ready (startup_profile --job); DEADLINE (s) bounds
 # the whole call so that the archive is always written.
 # `.whl` holds cp312 manylinux wheels of what the device image lacks (device README, Notes):
 # SQLAlchemy, greenlet, pydantic, pydantic_core, typing_extensions, typing-inspection,
@@ -62,7 +62,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     startup)
       export TRITON_CACHE_DIR=/tmp/triton-startup-$$  # empty: the first run compiles everything
       step startup_cold 120 python3 benchmarks/startup_profile.py --no-profile ${HELPERS:+--helpers} \
-        --out "$OUT/startup_cold.json"
+        ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_cold.json"
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
@@ -70,7 +70,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       # here, or phases), ALT_GROUPS (phases only: startup_profile --groups)
       export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
       step startup_alt 120 python3 benchmarks/startup_profile.py --no-profile --helpers \
-        --layout "${ALT_LAYOUT:-record}" ${ALT_GROUPS:+--groups "$ALT_GROUPS"} --out "$OUT/startup_alt.json"
+        --layout "${ALT_LAYOUT:-record}" ${ALT_GROUPS:+--groups "$ALT_GROUPS"} \
+        ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_alt.json"
       unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels ;;

@@ -68,7 +68,24 @@ def test_a_helper_that_fails_is_counted_and_leaves_nothing_running(triton_cache,
     assert precompile.last_reports == [{"phases": ["few-stock"],  # no timing report: it failed
                                         "rc": helpers[0].process.returncode}]
     assert "Error" in helpers[0].log.read_text()  # the helper's own output says why
+    assert not precompile.marker("dummy:tiny-gqa", {}).exists()  # the worker warms up itself
     assert precompile.wait() == (0, 0)  # waited for once
+
+
+def test_helpers_that_all_finish_well_mark_the_cache_warm(triton_cache, monkeypatch):
+    """So that `ppqa run --warmup cold` goes to work after them without a warm-up of its own
+    (the kernels are on disk), and the next start starts none. Real helper processes, on the
+    CPU (where they compile nothing, but run their phases and exit as on a GPU)."""
+    monkeypatch.setattr(precompile, "likely_gpu", lambda device: True)
+    monkeypatch.setattr(precompile, "HELPER_PHASES", (("few-stock",), ("mixed",)))
+    fields = {"max_batch_requests": 16}
+    helpers = precompile.start("dummy:tiny-gqa", "cpu", fields, layout="phases")
+    assert len(helpers) == 2
+    assert not precompile.marker("dummy:tiny-gqa", fields).exists()  # not before they end
+    assert precompile.wait(timeout=240) == (2, 2), [h.log.read_text() for h in helpers]
+    assert precompile.marker("dummy:tiny-gqa", fields).is_file()
+    assert not precompile.marker("dummy:tiny-gqa", {}).exists()  # another configuration's
+    assert precompile.start("dummy:tiny-gqa", "cpu", fields, layout="phases") == []
 
 
 def test_a_helper_runs_its_phases_on_a_two_layer_copy():

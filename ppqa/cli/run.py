@@ -116,9 +116,10 @@ def run(
         "--warmup", envvar="PPQA_WARMUP", metavar="always|cold",
         help="GPU: when to run the warm-up, synthetic work before the first claim that "
              "compiles the kernels and captures decode graphs for its own step shapes. 'cold' "
-             "(default): only where this machine's Triton cache lacks the model's kernels; a "
-             "warm start goes straight to work and captures graphs as its jobs' step shapes "
-             "recur (~2 s sooner done on the H200). 'always': every start, e.g. so that the "
+             "(default): only where this machine's Triton cache lacks the model's kernels "
+             "(after compile helpers that all finished well, it holds them); a warm start goes "
+             "straight to work and captures graphs as its jobs' step shapes recur (~2 s "
+             "sooner done on the H200). 'always': every start, e.g. so that the "
              "first job's speed report includes no first use of the GPU libraries.")] = "cold",
 ) -> None:
     from ppqa.engine import precompile  # no torch: helpers start before it loads

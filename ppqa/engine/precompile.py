@@ -22,9 +22,11 @@ of the model (the same dimensions, random weights, a small KV pool). Two layouts
   fail (results/h200/startup_cold_record_s16c3.json).
 
 A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
-configuration and kernel source has completed there; helpers start only where it is missing, so
-a warm machine starts none. A helper that fails costs nothing but its time: the worker compiles
-whatever is missing itself.
+configuration and kernel source has completed there, or that helpers started for them all
+finished well (`wait` writes it then: they compiled what the warm-up meets); helpers start only
+where it is missing, so a warm machine starts none, and `ppqa run --warmup cold` runs no warm-up
+where it is present, after helpers too. A helper that fails costs nothing but its time: the
+marker stays absent and the worker's warm-up compiles whatever is missing.
 
 This module imports neither torch nor triton at the top: `start` runs before either is loaded.
 """
@@ -62,6 +64,7 @@ COMPILERS = 8
 _LIST = "variants.json"  # the recorder's list, in the helpers' folder
 
 _started: list[Helper] = []  # helpers this process started and has not waited for
+_marks: list[tuple[str, dict]] = []  # (model, fields) of those helpers: marked warm if all do well
 last_wait: tuple[int, int, float] | None = None  # (finished well, started, seconds waited)
 # The last wait's helpers: their phases, exit code, and their own timing report (`main`'s last
 # line: seconds from the start call to its engine built, and to its phases done).
@@ -148,14 +151,17 @@ def start(model: str, device: str | None, fields: dict | None = None,
         phases = tuple(value.split(",")) if flag == "--phases" else (flag[2:],)
         helpers.append(Helper(phases, process, log))
     _started.extend(helpers)
+    _marks.append((model, fields))
     return helpers
 
 
 def wait(timeout: float = _WAIT_SECONDS) -> tuple[int, int]:
     """Wait for the helpers this process started (stopping any still running after `timeout`
-    seconds in all); (finished well, started). (0, 0) when none were started."""
+    seconds in all); (finished well, started). (0, 0) when none were started. When every one
+    finished well, the cache is marked warm for what they compiled (`mark_warm`)."""
     global last_wait
     helpers, _started[:] = list(_started), []
+    marks, _marks[:] = list(_marks), []
     if not helpers:
         return 0, 0
     began = time.monotonic()
@@ -166,6 +172,9 @@ def wait(timeout: float = _WAIT_SECONDS) -> tuple[int, int]:
         except subprocess.TimeoutExpired:
             helper.process.kill()
             helper.process.wait()
+    if ok == len(helpers):
+        for model, fields in marks:
+            mark_warm(model, fields)
     last_wait = (ok, len(helpers), time.monotonic() - began)
     last_reports[:] = [{"phases": list(h.phases), "rc": h.process.returncode, **_report(h.log)}
                        for h in helpers]
@@ -185,6 +194,7 @@ def _report(log: Path) -> dict:
 def stop() -> None:
     """Stop the helpers this process started (the worker gives up before loading)."""
     helpers, _started[:] = list(_started), []
+    _marks.clear()
     for helper in helpers:
         if helper.process.poll() is None:
             helper.process.kill()
