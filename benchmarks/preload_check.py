@@ -90,7 +90,13 @@ def role(name: str, model: str, phase: str, folder: str) -> None:
         precompile._imports_for_compiling("cuda")
         precompile.compile_listed(folder)
     else:
-        engine = precompile.shadow_engine(model, "cuda", {})
+        if name == "worker":  # the whole model and a worker's pool, as the GPU test's worker
+            from ppqa import Engine
+            from ppqa.config import EngineConfig
+
+            engine = Engine(model, device="cuda", config=EngineConfig(mem_fraction=0.05))
+        else:
+            engine = precompile.shadow_engine(model, "cuda", {})
         specs: dict[str, dict] = {}
 
         def hook(*, fn, compile, **_):
@@ -145,9 +151,10 @@ def cross_process(model: str, phase: str) -> dict:
     import tempfile
 
     folder = tempfile.mkdtemp(prefix="preload-check-")
-    caches = {n: tempfile.mkdtemp(prefix=f"cache-{n}-") for n in ("record", "preload", "launch")}
+    caches = {n: tempfile.mkdtemp(prefix=f"cache-{n}-")
+              for n in ("record", "preload", "launch", "worker")}
     caches["relaunch"] = caches["preload"]
-    for name in ("record", "preload", "launch", "relaunch"):
+    for name in ("record", "preload", "launch", "relaunch", "worker"):
         env = {**os.environ, "TRITON_CACHE_DIR": caches[name]}
         subprocess.run([sys.executable, __file__, "--role", name, "--model", model,
                         "--phase", phase, "--out", folder], env=env, check=True)
@@ -169,6 +176,16 @@ def cross_process(model: str, phase: str) -> dict:
         print("launched, not recorded:", v["name"], diff if same_kernel else "(kernel never recorded)")
     for v in only_recorded:
         print("recorded, not launched:", v["name"])
+    worker = {v["spec"]: v for v in load("worker_specs.json")}
+    only_worker = [v for s, v in worker.items() if s not in recorded]
+    print(f"-- the whole model with a worker's pool: {len(worker)} variants, "
+          f"{len(only_worker)} not recorded")
+    worker_rows = []
+    for v in only_worker:
+        same_kernel = [json.loads(r["spec"]) for r in recorded.values() if r["name"] == v["name"]]
+        _, diff = nearest(json.loads(v["spec"]), same_kernel, spec_diff)
+        worker_rows.append({"kernel": v["name"], "nearest_recorded_diff": diff})
+        print("worker, not recorded:", v["name"], diff if same_kernel else "(kernel never recorded)")
 
     preload_keys = load("preload.json")
     have = {e["key"] for e in preload_keys}
@@ -190,7 +207,8 @@ def cross_process(model: str, phase: str) -> dict:
         print("relaunch miss:", e["kernel"], diff if near else "(kernel never preloaded)")
     return {"recorded": len(recorded), "launched": len(launched),
             "record_report": load("record_report.json"), "only_launched": spec_rows,
-            "only_recorded": [v["name"] for v in only_recorded], "misses": key_rows}
+            "only_recorded": [v["name"] for v in only_recorded], "misses": key_rows,
+            "worker": len(worker), "only_worker": worker_rows}
 
 
 def main() -> None:
