@@ -211,11 +211,54 @@ def cross_process(model: str, phase: str) -> dict:
             "worker": len(worker), "only_worker": worker_rows}
 
 
+def record_layout(model: str) -> dict:
+    """The `record` layout as `ppqa run` starts it (real helpers, on an empty cache), then a
+    worker's warm-up (`role` worker) on that cache: the variants it asks for that the list
+    lacks, and the cache entries it adds, with their files' names."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from ppqa.engine import precompile
+
+    cache = tempfile.mkdtemp(prefix="cache-layout-")
+    os.environ["TRITON_CACHE_DIR"] = cache  # the helpers inherit it
+    helpers = precompile.start(model, "cuda:0", layout="record")
+    waited = precompile.wait()
+    folder = str(helpers[0].log.parent)
+    before = {e: sorted(os.listdir(os.path.join(cache, e))) for e in os.listdir(cache)}
+    subprocess.run([sys.executable, __file__, "--role", "worker", "--model", model,
+                    "--phase", "all", "--out", folder], check=True)
+    after = {e: sorted(os.listdir(os.path.join(cache, e))) for e in os.listdir(cache)}
+    new = {e: files for e, files in after.items() if e not in before}
+    recorded = {v["spec"]: v for v in json.loads(open(os.path.join(folder, "variants.json")).read())}
+    worker = json.loads(open(os.path.join(folder, "worker_specs.json")).read())
+    rows = []
+    for v in worker:
+        if v["spec"] in recorded:
+            continue
+        same_kernel = [json.loads(r["spec"]) for r in recorded.values() if r["name"] == v["name"]]
+        _, diff = nearest(json.loads(v["spec"]), same_kernel, spec_diff)
+        rows.append({"kernel": v["name"], "nearest_recorded_diff": diff})
+        print("worker, not recorded:", v["name"], diff if same_kernel else "(never recorded)")
+    print(f"-- {model}: helpers {waited}, listed {len(recorded)}, worker asked {len(worker)}, "
+          f"not listed {len(rows)}; cache entries {len(before)} -> {len(after)}")
+    for entry, files in new.items():
+        print("new entry:", entry[:12], files)
+    return {"model": model, "helpers": waited, "reports": precompile.last_reports,
+            "listed": len(recorded), "worker": len(worker), "not_listed": rows,
+            "new_entries": new}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dummy:tiny-gqa")
     ap.add_argument("--phase", default="few-stock")
     ap.add_argument("--out", default="preload_check.json")
+    ap.add_argument("--record-layout", action="store_true",
+                    help="the record layout's helpers, then a worker on their cache (--model: "
+                         "one or more, comma-separated)")
     ap.add_argument("--cross-only", action="store_true",
                     help="only the cross-process check (--phase all: every warm-up phase)")
     ap.add_argument("--role", default=None, help="record | preload | launch (one process of "
@@ -223,6 +266,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.role:
         role(args.role, args.model, args.phase, args.out)
+        return
+    if args.record_layout:
+        with open(args.out, "w") as f:
+            json.dump([record_layout(m) for m in args.model.split(",")], f, indent=1)
         return
     if args.cross_only:
         with open(args.out, "w") as f:
