@@ -227,10 +227,14 @@ def record_layout(model: str) -> dict:
     helpers = precompile.start(model, "cuda:0", layout="record")
     waited = precompile.wait()
     folder = str(helpers[0].log.parent)
-    before = {e: sorted(os.listdir(os.path.join(cache, e))) for e in os.listdir(cache)}
+    def entries():
+        return {e: sorted(os.listdir(os.path.join(cache, e))) for e in os.listdir(cache)
+                if os.path.isdir(os.path.join(cache, e))}
+
+    before = entries()
     subprocess.run([sys.executable, __file__, "--role", "worker", "--model", model,
                     "--phase", "all", "--out", folder], check=True)
-    after = {e: sorted(os.listdir(os.path.join(cache, e))) for e in os.listdir(cache)}
+    after = entries()
     new = {e: files for e, files in after.items() if e not in before}
     recorded = {v["spec"]: v for v in json.loads(open(os.path.join(folder, "variants.json")).read())}
     worker = json.loads(open(os.path.join(folder, "worker_specs.json")).read())
