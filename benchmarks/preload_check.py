@@ -224,7 +224,20 @@ def record_layout(model: str) -> dict:
 
     cache = tempfile.mkdtemp(prefix="cache-layout-")
     os.environ["TRITON_CACHE_DIR"] = cache  # the helpers inherit it
-    helpers = precompile.start(model, "cuda:0", layout="record")
+    # Each helper runs as `start` makes it, through this file, which logs its compile calls'
+    # key parts beside its log (`helper_main`).
+    real_popen = subprocess.Popen
+
+    def logging_popen(command, **kwargs):
+        if command[1:3] == ["-m", "ppqa.engine.precompile"]:
+            command = [command[0], __file__, "--helper", *command[3:]]
+        return real_popen(command, **kwargs)
+
+    precompile.subprocess.Popen = logging_popen
+    try:
+        helpers = precompile.start(model, "cuda:0", layout="record")
+    finally:
+        precompile.subprocess.Popen = real_popen
     waited = precompile.wait()
     folder = str(helpers[0].log.parent)
     def entries():
@@ -250,12 +263,51 @@ def record_layout(model: str) -> dict:
           f"not listed {len(rows)}; cache entries {len(before)} -> {len(after)}")
     for entry, files in new.items():
         print("new entry:", entry[:12], files)
+    helper_keys = [e for path in sorted(os.listdir(folder)) if path.startswith("keys-")
+                   for e in json.loads(open(os.path.join(folder, path)).read())]
+    have = {e["key"] for e in helper_keys}
+    worker_keys = json.loads(open(os.path.join(folder, "worker.json")).read())
+
+    def key_diff(a, b):
+        d = {k: [a[k], b[k]] for k in a if k not in ("options", "key") and a[k] != b[k]}
+        d.update({f"options.{k}": [a["options"][k], b["options"].get(k)]
+                  for k in a["options"] if a["options"][k] != b["options"].get(k)})
+        return d
+
+    key_rows = []
+    for e in worker_keys:
+        if e["key"] in have:
+            continue
+        near = [b for b in helper_keys if b["kernel"] == e["kernel"]]
+        _, diff = nearest(e, near, key_diff)
+        key_rows.append({"kernel": e["kernel"], "nearest_helper_diff": diff})
+        print("worker key not compiled by a helper:", e["kernel"], diff)
     return {"model": model, "helpers": waited, "reports": precompile.last_reports,
             "listed": len(recorded), "worker": len(worker), "not_listed": rows,
-            "new_entries": new}
+            "new_entries": new, "helper_keys": len(helper_keys), "key_misses": key_rows}
+
+
+def helper_main(argv: list[str]) -> int:
+    """A compile helper (`precompile.main`) that also writes its compile calls' key parts to
+    keys-<pid>.json in its folder."""
+    import os
+    from pathlib import Path
+
+    from ppqa.engine import precompile
+
+    logged = log_compiles()
+    folder = Path(argv[argv.index("--record" if "--record" in argv else "--compile") + 1])
+    try:
+        return precompile.main(argv)
+    finally:
+        (folder / f"keys-{os.getpid()}.json").write_text(json.dumps(logged))
 
 
 def main() -> None:
+    import sys
+
+    if sys.argv[1:2] == ["--helper"]:
+        sys.exit(helper_main(sys.argv[2:]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dummy:tiny-gqa")
     ap.add_argument("--phase", default="few-stock")
