@@ -108,6 +108,7 @@ def role(name: str, model: str, phase: str, folder: str) -> None:
         run_phases(engine, phase)
         knobs.runtime.jit_cache_hook = None
         (folder / f"{name}_specs.json").write_text(json.dumps(list(specs.values())))
+        (folder / f"jitkeys-{name}.json").write_text(json.dumps(jit_keys()))
     (folder / f"{name}.json").write_text(json.dumps(logged))
 
 
@@ -282,9 +283,37 @@ def record_layout(model: str) -> dict:
         _, diff = nearest(e, near, key_diff)
         key_rows.append({"kernel": e["kernel"], "nearest_helper_diff": diff})
         print("worker key not compiled by a helper:", e["kernel"], diff)
+    worker_jit = json.loads(open(os.path.join(folder, "jitkeys-worker.json")).read())
+    for path in sorted(os.listdir(folder)):
+        if path.startswith("jitkeys-") and path != "jitkeys-worker.json":
+            theirs = json.loads(open(os.path.join(folder, path)).read())
+            for fn, mine in worker_jit.items():
+                if theirs.get(fn, {}).get("key") != mine["key"]:
+                    print(path, fn, "worker", mine, "helper", theirs.get(fn))
     return {"model": model, "helpers": waited, "reports": precompile.last_reports,
             "listed": len(recorded), "worker": len(worker), "not_listed": rows,
             "new_entries": new, "helper_keys": len(helper_keys), "key_misses": key_rows}
+
+
+def jit_keys() -> dict:
+    """Every Triton function of ppqa.kernels: its cache key as this process has it (a key not
+    yet computed is computed now) and the constexpr globals it has recorded."""
+    import importlib
+    import pkgutil
+
+    import ppqa.kernels
+    from triton.runtime.jit import JITFunction
+
+    keys = {}
+    for info in pkgutil.iter_modules(ppqa.kernels.__path__):
+        module = importlib.import_module(f"ppqa.kernels.{info.name}")
+        for name, fn in sorted(vars(module).items()):
+            if isinstance(fn, JITFunction) and fn.__module__ == module.__name__:
+                was = fn.hash
+                keys[f"{info.name}.{name}"] = {
+                    "key": fn.cache_key, "computed_before": was is not None,
+                    "globals": [[n, str(v)] for (n, _), (v, _) in fn.used_global_vals.items()]}
+    return keys
 
 
 def helper_main(argv: list[str]) -> int:
@@ -301,6 +330,7 @@ def helper_main(argv: list[str]) -> int:
         return precompile.main(argv)
     finally:
         (folder / f"keys-{os.getpid()}.json").write_text(json.dumps(logged))
+        (folder / f"jitkeys-{os.getpid()}.json").write_text(json.dumps(jit_keys()))
 
 
 def main() -> None:
