@@ -218,3 +218,54 @@ def test_record_helpers_that_fail_leave_nothing_running(triton_cache):
     assert precompile.wait(timeout=120) == (0, len(helpers))
     assert all(h.process.returncode not in (0, None) for h in helpers)
     assert json.loads((helpers[0].log.parent / "variants.json").read_text()) == []
+
+
+# Triton 3.6 (the GPU image's) merges a callee's constexpr globals into its caller's cache key
+# only if the callee's key was computed first; later versions compute it first. This child
+# process runs that 3.6 rule on whichever Triton is installed, touches one function first, then
+# prints every kernel function's key.
+KEYS_UNDER_TRITON_36 = """
+import importlib, json, pkgutil, sys
+from triton.runtime import jit
+
+def update_hash_36(self, func):
+    self.used_global_vals.update(func.used_global_vals)  # before func.cache_key, as in 3.6
+    self.hasher.update((func.cache_key + str(getattr(func, "noinline", False))).encode())
+
+jit.DependenciesFinder._update_hash = update_hash_36
+module, name = sys.argv[1].rsplit(".", 1)
+first = getattr(importlib.import_module(module), name)
+settled_at_import = first.hash is not None
+first.cache_key
+import ppqa.kernels
+keys = {}
+for info in pkgutil.iter_modules(ppqa.kernels.__path__):
+    mod = importlib.import_module("ppqa.kernels." + info.name)
+    for attr, fn in vars(mod).items():
+        if isinstance(fn, jit.JITFunction) and fn.__module__ == mod.__name__:
+            keys[info.name + "." + attr] = fn.cache_key
+print(json.dumps([settled_at_import, keys]))
+"""
+
+
+@pytest.mark.parametrize("first", ["ppqa.kernels.decode_attention._decode_kernel",
+                                   "ppqa.kernels._tile.tma_tiles",
+                                   "ppqa.kernels.merge._merge_kernel"])
+def test_kernel_cache_keys_do_not_depend_on_what_a_process_compiles_first(first):
+    """A compile helper and a worker meet the kernels in different orders; they must look each
+    variant up under the same key, or the worker compiles again what the helpers compiled
+    (kernels/_keys.py). Each kernel module settles its functions' keys as it is imported."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JITFunctions
+
+    def keys(touched):
+        out = subprocess.run([sys.executable, "-c", KEYS_UNDER_TRITON_36, touched], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    settled, reference = keys("ppqa.kernels.fused._rms_norm_kernel")
+    settled_first, touched_first = keys(first)
+    assert settled and settled_first  # computed at import, before anything was compiled
+    assert touched_first == reference
+    assert {"decode_attention._decode_kernel", "extend_attention._extend_kernel",
+            "cascade._prefix_kernel", "_tile.tma_tiles"} <= set(reference)

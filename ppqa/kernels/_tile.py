@@ -13,6 +13,8 @@ probabilities are rounded to it before P.V, as on the GPU.
 import triton
 import triton.language as tl
 
+from ppqa.kernels._keys import settle_cache_keys
+
 # Globals read inside @triton.jit code must be tl.constexpr instances (an annotation is not enough).
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -130,3 +132,6 @@ def tma_tiles(q, K_desc, V_desc, slot0, lo, hi, col, scale_log2, m_i, l_i, acc,
                 s = tile_scores(q, k, scale_log2, USE_DOT, PREC)
                 m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, P_DT, DOT_DT, USE_DOT, PREC)
     return tail, m_i, l_i, acc
+
+
+settle_cache_keys(globals())  # _keys.py: the same cache keys in every process

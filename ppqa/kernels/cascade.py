@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ppqa.kernels import _arch
+from ppqa.kernels._keys import settle_cache_keys
 from ppqa.kernels._ref import masked_attention_ref
 from ppqa.kernels._tile import (
     NEG_BIG, softmax_fold, softmax_update, tile_scores, tma_tiles, write_rows,
@@ -229,3 +230,6 @@ def shared_prefix_attention_ref(
             q[b0:b1], k_pool[row], v_pool[row], mask, sm_scale
         )
     return o.cpu(), lse.cpu()
+
+
+settle_cache_keys(globals())  # _keys.py: the same cache keys in every process

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ppqa.kernels import _arch
+from ppqa.kernels._keys import settle_cache_keys
 from ppqa.kernels._ref import masked_attention_ref
 from ppqa.kernels._tile import (
     NEG_BIG, doc_run, softmax_update, tile_scores, tma_tiles, write_rows,
@@ -281,3 +282,6 @@ def extend_attention_ref(
             q[t0:t1], keys_k, keys_v, causal & stream_ok, sm_scale
         )
     return o.cpu(), lse.cpu()
+
+
+settle_cache_keys(globals())  # _keys.py: the same cache keys in every process

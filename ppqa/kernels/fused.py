@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ppqa.kernels import _arch
+from ppqa.kernels._keys import settle_cache_keys
 
 
 @triton.jit
@@ -230,3 +231,6 @@ def apply_rope_ref(q, k, positions, cos, sin) -> tuple[torch.Tensor, torch.Tenso
     q_out = qf * cos + _rotate_half(qf) * sin
     k_out = kf * cos + _rotate_half(kf) * sin
     return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+settle_cache_keys(globals())  # _keys.py: the same cache keys in every process

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ppqa.kernels import _arch
+from ppqa.kernels._keys import settle_cache_keys
 
 
 # Counts and offsets that change from step to step are not specialised on (== 1, a multiple
@@ -68,3 +69,6 @@ def store_kv(
 def store_kv_ref(k_pool, v_pool, out_slots, k, v) -> None:
     k_pool[out_slots.long()] = k.to(k_pool.dtype)
     v_pool[out_slots.long()] = v.to(v_pool.dtype)
+
+
+settle_cache_keys(globals())  # _keys.py: the same cache keys in every process

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ppqa.kernels import _arch
+from ppqa.kernels._keys import settle_cache_keys
 
 
 # Counts, offsets and the lse strides (which follow the state count) are not specialised on
@@ -162,3 +163,6 @@ def partial_strides(part_o: torch.Tensor, part_lse: torch.Tensor, used: bool) ->
         return (0, 0, 0, 0, 0)
     return (part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1))
+
+
+settle_cache_keys(globals())  # _keys.py: the same cache keys in every process
