@@ -18,8 +18,10 @@ of the model (the same dimensions, random weights, a small KV pool). Two layouts
   others (`COMPILERS`) wait for the list and compile its variants, each claiming the next one
   not yet claimed (`JITFunction.preload`, then loading it, which builds its launcher), so every
   variant is compiled once, in parallel. The recorder joins them once its list is out. Not the
-  default until a run with working compilers shows it sooner: its one run so far had them
-  fail (results/h200/startup_cold_record_s16c3.json).
+  default: in its runs so far the worker then compiled the decode and extend kernels again
+  (their Triton cache keys depended on what a process compiled first, which kernels/_keys.py
+  now settles; not yet measured since), and it was ready no sooner than `phases`
+  (results/h200/startup_cold_record_nowarmup_s18c4.json: 13.6 s, its first job 3.4 s).
 
 A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
 configuration and kernel source has completed there, or that helpers started for them all
