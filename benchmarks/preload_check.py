@@ -30,12 +30,18 @@ def parts(compiler, src, target, options, env_vars) -> dict:
             "env": str(sorted(env.items()))}
 
 
+def key_diff(a: dict, b: dict) -> dict:
+    """The parts of two logged compile keys (`parts`) that differ, options one by one."""
+    d = {k: [a[k], b[k]] for k in a if k not in ("options", "key") and a[k] != b[k]}
+    d.update({f"options.{k}": [a["options"][k], b["options"].get(k)]
+              for k in a["options"] if a["options"][k] != b["options"].get(k)})
+    return d
+
+
 def compare(launched: list[dict], preloaded: list[dict]) -> list[dict]:
     rows = []
     for a, b in zip(launched, preloaded):
-        diff = {k: [a[k], b[k]] for k in a if k != "options" and a[k] != b[k]}
-        diff.update({f"options.{k}": [a["options"][k], b["options"].get(k)]
-                     for k in a["options"] if a["options"][k] != b["options"].get(k)})
+        diff = key_diff(a, b)
         rows.append({"kernel": a["kernel"], "same_key": a["key"] == b["key"], "diff": diff})
         print(a["kernel"], "same key" if a["key"] == b["key"] else f"DIFFERS: {diff}")
     return rows
@@ -142,6 +148,20 @@ def nearest(entry: dict, candidates: list[dict], differ) -> tuple[dict | None, d
     return best, best_diff
 
 
+def not_listed(asked: list[dict], listed: dict, label: str) -> list[dict]:
+    """The variants of `asked` ({"name", "spec"}) missing from `listed` (spec -> variant), each
+    with the fields that differ from the nearest listed variant of its kernel, printed."""
+    rows = []
+    for v in asked:
+        if v["spec"] in listed:
+            continue
+        same_kernel = [json.loads(r["spec"]) for r in listed.values() if r["name"] == v["name"]]
+        _, diff = nearest(json.loads(v["spec"]), same_kernel, spec_diff)
+        rows.append({"kernel": v["name"], "nearest_listed_diff": diff})
+        print(f"{label}, not listed:", v["name"], diff if same_kernel else "(kernel never listed)")
+    return rows
+
+
 def cross_process(model: str, phase: str) -> dict:
     """record, preload, launch and relaunch in separate processes (`role`); what the recorder
     missed or saw differently from real launches, and what a worker compiled after the
@@ -165,40 +185,22 @@ def cross_process(model: str, phase: str) -> dict:
 
     recorded = {v["spec"]: v for v in load("variants.json")}
     launched = {v["spec"]: v for v in load("launch_specs.json")}
-    only_launched = [v for s, v in launched.items() if s not in recorded]
     only_recorded = [v for s, v in recorded.items() if s not in launched]
+    spec_rows = not_listed(list(launched.values()), recorded, "launched")
     print(f"-- specs: recorded {len(recorded)}, launched {len(launched)}, "
-          f"launched only {len(only_launched)}, recorded only {len(only_recorded)}")
-    spec_rows = []
-    for v in only_launched:
-        same_kernel = [json.loads(r["spec"]) for r in recorded.values() if r["name"] == v["name"]]
-        _, diff = nearest(json.loads(v["spec"]), same_kernel, spec_diff)
-        spec_rows.append({"kernel": v["name"], "nearest_recorded_diff": diff})
-        print("launched, not recorded:", v["name"], diff if same_kernel else "(kernel never recorded)")
+          f"launched only {len(spec_rows)}, recorded only {len(only_recorded)}")
     for v in only_recorded:
         print("recorded, not launched:", v["name"])
-    worker = {v["spec"]: v for v in load("worker_specs.json")}
-    only_worker = [v for s, v in worker.items() if s not in recorded]
+    worker = load("worker_specs.json")
+    worker_rows = not_listed(worker, recorded, "worker")
     print(f"-- the whole model with a worker's pool: {len(worker)} variants, "
-          f"{len(only_worker)} not recorded")
-    worker_rows = []
-    for v in only_worker:
-        same_kernel = [json.loads(r["spec"]) for r in recorded.values() if r["name"] == v["name"]]
-        _, diff = nearest(json.loads(v["spec"]), same_kernel, spec_diff)
-        worker_rows.append({"kernel": v["name"], "nearest_recorded_diff": diff})
-        print("worker, not recorded:", v["name"], diff if same_kernel else "(kernel never recorded)")
+          f"{len(worker_rows)} not recorded")
 
     preload_keys = load("preload.json")
     have = {e["key"] for e in preload_keys}
     misses = [e for e in load("relaunch.json") if e["key"] not in have]
     print(f"-- keys: preloaded {len(preload_keys)}, relaunch compiles {len(load('relaunch.json'))}, "
           f"not preloaded {len(misses)}")
-
-    def key_diff(a, b):
-        d = {k: [a[k], b[k]] for k in a if k not in ("options", "key") and a[k] != b[k]}
-        d.update({f"options.{k}": [a["options"][k], b["options"].get(k)]
-                  for k in a["options"] if a["options"][k] != b["options"].get(k)})
-        return d
 
     key_rows = []
     for e in misses:
@@ -252,14 +254,7 @@ def record_layout(model: str) -> dict:
     new = {e: files for e, files in after.items() if e not in before}
     recorded = {v["spec"]: v for v in json.loads(open(os.path.join(folder, "variants.json")).read())}
     worker = json.loads(open(os.path.join(folder, "worker_specs.json")).read())
-    rows = []
-    for v in worker:
-        if v["spec"] in recorded:
-            continue
-        same_kernel = [json.loads(r["spec"]) for r in recorded.values() if r["name"] == v["name"]]
-        _, diff = nearest(json.loads(v["spec"]), same_kernel, spec_diff)
-        rows.append({"kernel": v["name"], "nearest_recorded_diff": diff})
-        print("worker, not recorded:", v["name"], diff if same_kernel else "(never recorded)")
+    rows = not_listed(worker, recorded, "worker")
     print(f"-- {model}: helpers {waited}, listed {len(recorded)}, worker asked {len(worker)}, "
           f"not listed {len(rows)}; cache entries {len(before)} -> {len(after)}")
     for entry, files in new.items():
@@ -268,12 +263,6 @@ def record_layout(model: str) -> dict:
                    for e in json.loads(open(os.path.join(folder, path)).read())]
     have = {e["key"] for e in helper_keys}
     worker_keys = json.loads(open(os.path.join(folder, "worker.json")).read())
-
-    def key_diff(a, b):
-        d = {k: [a[k], b[k]] for k in a if k not in ("options", "key") and a[k] != b[k]}
-        d.update({f"options.{k}": [a["options"][k], b["options"].get(k)]
-                  for k in a["options"] if a["options"][k] != b["options"].get(k)})
-        return d
 
     key_rows = []
     for e in worker_keys:
