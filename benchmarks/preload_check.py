@@ -75,8 +75,9 @@ def role(name: str, model: str, phase: str, folder: str) -> None:
     """One process of the cross-process check, each on its own TRITON_CACHE_DIR except
     `relaunch`: `record` (the recorder helper's run, variants skipped), `preload` (a compiler
     helper: the recorded variants preloaded), `launch` (a worker's warm-up phases, each variant's
-    specialization data noted) and `relaunch` (the phases again on `preload`'s cache: what a
-    worker compiles after the helpers). Each logs its compile calls' key parts to
+    specialization data noted), `relaunch` (the phases again on `preload`'s cache: what a
+    worker compiles after the helpers) and `worker` (as `launch`, on the whole model with a
+    worker's pool; it also writes every Triton function's key, `jit_keys`). Each logs its compile calls' key parts to
     FOLDER/NAME.json."""
     from pathlib import Path
 
@@ -148,6 +149,26 @@ def nearest(entry: dict, candidates: list[dict], differ) -> tuple[dict | None, d
     return best, best_diff
 
 
+def read_json(folder: str, name: str):
+    with open(f"{folder}/{name}") as f:
+        return json.load(f)
+
+
+def uncompiled_keys(asked: list[dict], compiled: list[dict], label: str) -> list[dict]:
+    """The logged compile keys of `asked` that no entry of `compiled` has, each with the parts
+    that differ from the nearest compiled key of its kernel, printed."""
+    have = {e["key"] for e in compiled}
+    rows = []
+    for e in asked:
+        if e["key"] in have:
+            continue
+        near = [b for b in compiled if b["kernel"] == e["kernel"]]
+        _, diff = nearest(e, near, key_diff)
+        rows.append({"kernel": e["kernel"], "nearest_compiled_diff": diff})
+        print(f"{label}, not compiled before:", e["kernel"], diff if near else "(kernel never compiled)")
+    return rows
+
+
 def not_listed(asked: list[dict], listed: dict, label: str) -> list[dict]:
     """The variants of `asked` ({"name", "spec"}) missing from `listed` (spec -> variant), each
     with the fields that differ from the nearest listed variant of its kernel, printed."""
@@ -181,7 +202,7 @@ def cross_process(model: str, phase: str) -> dict:
                         "--phase", phase, "--out", folder], env=env, check=True)
 
     def load(name):
-        return json.loads(open(os.path.join(folder, name)).read())
+        return read_json(folder, name)
 
     recorded = {v["spec"]: v for v in load("variants.json")}
     launched = {v["spec"]: v for v in load("launch_specs.json")}
@@ -196,18 +217,10 @@ def cross_process(model: str, phase: str) -> dict:
     print(f"-- the whole model with a worker's pool: {len(worker)} variants, "
           f"{len(worker_rows)} not recorded")
 
-    preload_keys = load("preload.json")
-    have = {e["key"] for e in preload_keys}
-    misses = [e for e in load("relaunch.json") if e["key"] not in have]
-    print(f"-- keys: preloaded {len(preload_keys)}, relaunch compiles {len(load('relaunch.json'))}, "
-          f"not preloaded {len(misses)}")
-
-    key_rows = []
-    for e in misses:
-        near = [b for b in preload_keys if b["kernel"] == e["kernel"]]
-        _, diff = nearest(e, near, key_diff)
-        key_rows.append({"kernel": e["kernel"], "nearest_preloaded_diff": diff})
-        print("relaunch miss:", e["kernel"], diff if near else "(kernel never preloaded)")
+    preload_keys, relaunch_keys = load("preload.json"), load("relaunch.json")
+    key_rows = uncompiled_keys(relaunch_keys, preload_keys, "relaunch")
+    print(f"-- keys: preloaded {len(preload_keys)}, relaunch compiles {len(relaunch_keys)}, "
+          f"not preloaded {len(key_rows)}")
     return {"recorded": len(recorded), "launched": len(launched),
             "record_report": load("record_report.json"), "only_launched": spec_rows,
             "only_recorded": [v["name"] for v in only_recorded], "misses": key_rows,
@@ -243,6 +256,7 @@ def record_layout(model: str) -> dict:
         precompile.subprocess.Popen = real_popen
     waited = precompile.wait()
     folder = str(helpers[0].log.parent)
+
     def entries():
         return {e: sorted(os.listdir(os.path.join(cache, e))) for e in os.listdir(cache)
                 if os.path.isdir(os.path.join(cache, e))}
@@ -252,30 +266,20 @@ def record_layout(model: str) -> dict:
                     "--phase", "all", "--out", folder], check=True)
     after = entries()
     new = {e: files for e, files in after.items() if e not in before}
-    recorded = {v["spec"]: v for v in json.loads(open(os.path.join(folder, "variants.json")).read())}
-    worker = json.loads(open(os.path.join(folder, "worker_specs.json")).read())
+    recorded = {v["spec"]: v for v in read_json(folder, "variants.json")}
+    worker = read_json(folder, "worker_specs.json")
     rows = not_listed(worker, recorded, "worker")
     print(f"-- {model}: helpers {waited}, listed {len(recorded)}, worker asked {len(worker)}, "
           f"not listed {len(rows)}; cache entries {len(before)} -> {len(after)}")
     for entry, files in new.items():
         print("new entry:", entry[:12], files)
     helper_keys = [e for path in sorted(os.listdir(folder)) if path.startswith("keys-")
-                   for e in json.loads(open(os.path.join(folder, path)).read())]
-    have = {e["key"] for e in helper_keys}
-    worker_keys = json.loads(open(os.path.join(folder, "worker.json")).read())
-
-    key_rows = []
-    for e in worker_keys:
-        if e["key"] in have:
-            continue
-        near = [b for b in helper_keys if b["kernel"] == e["kernel"]]
-        _, diff = nearest(e, near, key_diff)
-        key_rows.append({"kernel": e["kernel"], "nearest_helper_diff": diff})
-        print("worker key not compiled by a helper:", e["kernel"], diff)
-    worker_jit = json.loads(open(os.path.join(folder, "jitkeys-worker.json")).read())
+                   for e in read_json(folder, path)]
+    key_rows = uncompiled_keys(read_json(folder, "worker.json"), helper_keys, "worker")
+    worker_jit = read_json(folder, "jitkeys-worker.json")
     for path in sorted(os.listdir(folder)):
         if path.startswith("jitkeys-") and path != "jitkeys-worker.json":
-            theirs = json.loads(open(os.path.join(folder, path)).read())
+            theirs = read_json(folder, path)
             for fn, mine in worker_jit.items():
                 if theirs.get(fn, {}).get("key") != mine["key"]:
                     print(path, fn, "worker", mine, "helper", theirs.get(fn))
