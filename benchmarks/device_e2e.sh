@@ -66,11 +66,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
-    startup_alt)  # another helper layout on an empty cache: ALT_LAYOUT (record, the default
-      # here, or phases), ALT_GROUPS (phases only: startup_profile --groups)
+    startup_alt)  # another helper layout on an empty cache: ALT_LAYOUT (phases, the default
+      # here, or record), ALT_GROUPS (phases only: startup_profile --groups)
       export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
       step startup_alt 120 python3 benchmarks/startup_profile.py --no-profile --helpers \
-        --layout "${ALT_LAYOUT:-record}" ${ALT_GROUPS:+--groups "$ALT_GROUPS"} \
+        --layout "${ALT_LAYOUT:-phases}" ${ALT_GROUPS:+--groups "$ALT_GROUPS"} \
         ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_alt.json"
       unset TRITON_CACHE_DIR ;;
     pytest)

@@ -46,8 +46,9 @@ def main() -> None:
                          "questions, TOKENS answer tokens, cascade) twice and time both: what "
                          "the first use of the GPU libraries and kernels costs a run, e.g. "
                          "2048,16,16")
-    ap.add_argument("--layout", default="phases", choices=["phases", "record"],
-                    help="with --helpers: how they split the compiling (engine/precompile.py)")
+    ap.add_argument("--layout", default=None, choices=["record", "phases"],
+                    help="with --helpers: how they split the compiling (engine/precompile.py; "
+                         "default: precompile.default_layout(), as `ppqa run`)")
     ap.add_argument("--groups", default=None,
                     help="with --helpers: the warm-up phases per helper, to compare layouts "
                          "(e.g. 'long|many|few-stock,mixed'; default precompile.HELPER_PHASES)")
@@ -58,6 +59,7 @@ def main() -> None:
 
         if args.groups:
             precompile.HELPER_PHASES = tuple(tuple(g.split(",")) for g in args.groups.split("|"))
+        args.layout = args.layout or precompile.default_layout()
         phases["helper_layout"] = args.layout
         phases["helper_groups"] = [list(g) for g in precompile.HELPER_PHASES]
         phases["helpers_started"] = len(precompile.start(args.model, args.device,

@@ -209,6 +209,15 @@ def test_compilers_compile_each_listed_variant_once(tmp_path):
     assert failed == ["ValueError: cannot compile"]
 
 
+def test_the_record_layout_is_the_default_where_its_compilers_fit(monkeypatch):
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 16)
+    assert precompile.default_layout() == "record"
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: precompile.MIN_COMPILERS + 1)
+    assert precompile.default_layout() == "phases"  # the worker and recorder take a core each
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: None)
+    assert precompile.default_layout() == "phases"
+
+
 def test_record_helpers_that_fail_leave_nothing_running(triton_cache):
     # A device that does not exist: the recorder fails to build and writes an empty list, so
     # the compilers, which fail on the device as well, wait for nothing.

@@ -8,20 +8,22 @@ sizes its KV pool (which takes a share of the GPU memory then free) it waits for
 exit, and its own warm-up then finds the kernels on disk. Each helper builds a two-layer copy
 of the model (the same dimensions, random weights, a small KV pool). Two layouts:
 
-- `phases` (the default): each helper runs a group of the warm-up's phases (`HELPER_PHASES`)
-  for real, which writes the kernels they meet into the shared cache; every helper compiles
-  the kernels all phases share again (~6.5 s of its first phase).
-- `record`: one helper runs every warm-up phase (`Engine.warmup_phases`) with a Triton hook
-  that records each kernel variant a launch asks for and skips it (nothing is compiled or
-  launched, so the phases take ~3.4 s and compute garbage, which no host-side choice reads:
-  sampling is greedy and answers have fixed lengths), and writes the list of variants; the
-  others (`COMPILERS`) wait for the list and compile its variants, each claiming the next one
-  not yet claimed (`JITFunction.preload`, then loading it, which builds its launcher), so every
-  variant is compiled once, in parallel. The recorder joins them once its list is out. Not the
-  default: in its runs so far the worker then compiled the decode and extend kernels again
-  (their Triton cache keys depended on what a process compiled first, which kernels/_keys.py
-  now settles; not yet measured since), and it was ready no sooner than `phases`
-  (results/h200/startup_cold_record_nowarmup_s18c4.json: 13.6 s, its first job 3.4 s).
+- `record` (the default): one helper runs every warm-up phase (`Engine.warmup_phases`) with a
+  Triton hook that records each kernel variant a launch asks for and skips it (nothing is
+  compiled or launched, so the phases take ~2-4 s and compute garbage, which no host-side
+  choice reads: sampling is greedy and answers have fixed lengths), and writes the list of
+  variants; the others (`COMPILERS`) wait for the list and compile its variants, each claiming
+  the next one not yet claimed (`JITFunction.preload`, then loading it, which builds its
+  launcher), so every variant is compiled once, in parallel. The recorder joins them once its
+  list is out. This relies on a variant's cache key being the same in every process, which
+  kernels/_keys.py ensures. On the H200 host it is ready 11.5 s after start where `phases` is
+  18.3 s, and the first job compiles nothing
+  (results/h200/startup_cold_record_s19c1.json, startup_cold_phases_s19c1.json).
+- `phases`: each helper runs a group of the warm-up's phases (`HELPER_PHASES`) for real, which
+  writes the kernels they meet into the shared cache; every helper compiles the kernels all
+  phases share again (~7-10 s of its first phase). `start` takes it where the machine has too
+  few cores for `MIN_COMPILERS` compilers beside the recorder and the worker: there the
+  record layout compiles nearly one variant at a time, while four phase groups still overlap.
 
 A marker file in the Triton cache (`ppqa-warm-<key>`) records that a warm-up of this model,
 configuration and kernel source has completed there, or that helpers started for them all
@@ -59,10 +61,15 @@ HELPER_PHASES = (("long", "few-long"), ("many",),
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
 _WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worker compiles instead)
-LAYOUTS = ("phases", "record")
+LAYOUTS = ("record", "phases")
 # Compiling helpers beside the recorder in the `record` layout (at most; fewer where the machine
 # has fewer cores than that plus two, one for the worker and one for the recorder).
 COMPILERS = 8
+# Fewer compilers than this and `start` takes the `phases` layout instead. A judgement from one
+# run, not a sweep: 8 compilers and the recorder spent ~23 compile-seconds on the 16 variants,
+# the busiest 4.9 s (results/h200/startup_cold_record_s19c1.json); 4 would need ~6 s after the
+# list, still less than a phase group's first phase (10-11 s, startup_cold_phases_s19c1.json).
+MIN_COMPILERS = 4
 _LIST = "variants.json"  # the recorder's list, in the helpers' folder
 
 _started: list[Helper] = []  # helpers this process started and has not waited for
@@ -122,11 +129,23 @@ def likely_gpu(device: str | None) -> bool:
     return device.startswith("cuda")
 
 
+def _compilers() -> int:
+    """Compilers the `record` layout gets here: one core each, after the worker and recorder."""
+    return min(COMPILERS, (os.cpu_count() or 1) - 2)
+
+
+def default_layout() -> str:
+    """`record`, unless this machine has cores for fewer than MIN_COMPILERS compilers."""
+    return "record" if _compilers() >= MIN_COMPILERS else "phases"
+
+
 def start(model: str, device: str | None, fields: dict | None = None,
-          layout: str = "phases") -> list[Helper]:
+          layout: str | None = None) -> list[Helper]:
     """Start the helpers for `model` on `device` where the Triton cache lacks the model's
     marker and the device is a GPU; [] otherwise. `fields`: the EngineConfig fields the engine
-    will be built with; `layout`: one of LAYOUTS (the module's docstring)."""
+    will be built with; `layout`: one of LAYOUTS (the module's docstring), or None for
+    `default_layout()`."""
+    layout = layout or default_layout()
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     fields = dict(fields or {})
@@ -139,7 +158,7 @@ def start(model: str, device: str | None, fields: dict | None = None,
     if layout == "phases":
         roles = [("--phases", ",".join(phases)) for phases in HELPER_PHASES]
     else:
-        compilers = max(1, min(COMPILERS, (os.cpu_count() or 1) - 2))
+        compilers = max(1, _compilers())
         roles = [("--record", str(folder))] + [("--compile", str(folder))] * compilers
     helpers = []
     for i, (flag, value) in enumerate(roles):
