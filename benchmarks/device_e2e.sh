@@ -113,6 +113,14 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
         --cuda-graphs --out "$OUT/bench16k.json" ;;
     merge)  # the merge kernel's states per loop step at decode's shapes
       step merge 120 python3 benchmarks/merge_states.py --out "$OUT/merge_states.json" ;;
+    gprof)  # GPU seconds by kernel kind in prefill and in decode, through the worker (its second
+      # pass profiled): GPROF="WORKLOAD:MODE:MAX_DOCS ...", e.g. "loogle:stock:8 loogle:auto:8"
+      for spec in ${GPROF:?}; do
+        IFS=: read -r w m n <<< "$spec"
+        step "gprof_${w}_${m}" 240 python3 benchmarks/session_timeline.py --workload "$w" \
+          --mode "$m" --max-docs "$n" --paths worker,worker --profile-pass 1 \
+          --folder /tmp/gprof --out "$OUT/gprof_${w}_${m}.json"
+      done ;;
     ltimeline)  # loogle through the worker twice in one process: compilations and eager steps
       step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
         --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;

@@ -22,6 +22,7 @@ difference is measured rather than inferred from separate processes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -36,6 +37,9 @@ from ppqa import Engine, QuestionRequest, SamplingParams
 from ppqa.config import EngineConfig
 from ppqa.bench.workloads import get_workload, make_jobs
 from ppqa.engine.runtime.graph_runner import GraphCache
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_time import Profile, print_summary  # noqa: E402 -- a sibling file, not a package
 
 
 class Tally:
@@ -64,10 +68,23 @@ def wrap(owner, name: str, tally: Tally, label: str, on_result=None, phase=None)
     return original
 
 
+def phased(owner, name: str, prof, label: str) -> None:
+    """Launches from owner.name count for `label` in prof's GPU time (gpu_time.py)."""
+    original = getattr(owner, name)
+
+    def inner(*args, **kwargs):
+        with prof.phase(label):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, inner)
+
+
 def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: dict,
-             compiles: dict, path: str = "session", folder: Path | None = None) -> dict:
+             compiles: dict, path: str = "session", folder: Path | None = None,
+             prof=None) -> dict:
     """One pass over the whole workload (drawn from workload.seed), through a bare session
-    stepped to the end, or through the worker over a store that holds the workload."""
+    stepped to the end, or through the worker over a store that holds the workload; `prof`
+    (a gpu_time.Profile around the pass) gets the session's prefill and decode marked."""
     jobs = make_jobs(workload, engine.tokenizer, max_docs)
     tally = Tally()
     graph_use: Counter = Counter()
@@ -82,6 +99,9 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
     sessions: list = []
 
     def instrument(session):
+        if prof is not None:
+            phased(session, "_prefill", prof, "prefill")
+            phased(session, "_decode", prof, "decode")
         wrap(session, "_prefill", tally, "prefill", phase=phase)
         wrap(session, "_decode", tally, "decode", phase=phase)
         sched = session.sched
@@ -206,6 +226,10 @@ def main() -> None:
     ap.add_argument("--paths", default=None,
                     help="comma-separated 'session' or 'worker', one per pass (default: session "
                          "for every pass); a worker pass runs ppqa's worker over a fresh store")
+    ap.add_argument("--profile-pass", type=int, default=None, metavar="N",
+                    help="run pass N (from 0) under torch.profiler: GPU seconds by kernel kind "
+                         "for the prefill and the decode, and the GPU's busy share "
+                         "(benchmarks/gpu_time.py; the profiler lengthens host time)")
     ap.add_argument("--folder", default="timeline_work", help="where worker passes keep stores")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="timeline.json")
@@ -242,8 +266,13 @@ def main() -> None:
     if any(p not in ("session", "worker") for p in paths):
         ap.error(f"--paths takes 'session' and 'worker', got {args.paths!r}")
     for p, path in enumerate(paths):
-        run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p), args.mode,
-                       args.max_docs, phase, compiles, path, Path(args.folder))
+        prof = Profile() if p == args.profile_pass else contextlib.nullcontext()
+        with prof:
+            run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p),
+                           args.mode, args.max_docs, phase, compiles, path, Path(args.folder),
+                           prof=prof if p == args.profile_pass else None)
+        if p == args.profile_pass:
+            run["gpu_time"] = prof.summary()
         result["passes"].append(run)
         result["compiles"] = compiles
         with open(args.out, "w") as f:
@@ -256,6 +285,8 @@ def main() -> None:
               f"{run['first_answer_s']:.2f} s; steps {stats['steps']}, max batch "
               f"{stats['max_batch_requests']}", flush=True)
         print("  decode steps by batch:", Counter(run["decode_steps_by_batch"]).most_common(8))
+        if "gpu_time" in run:
+            print_summary(run["gpu_time"])
         print("  phases:", {k: round(v, 2) for k, v in run["phase_s"].items()},
               {k: v for k, v in run.items() if k.endswith("_s") and k not in ("wall_s", "phase_s")})
     print("compiles by phase:", dict(compiles["by_phase_s"]))
