@@ -121,6 +121,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
           --mode "$m" --max-docs "$n" --paths worker,worker --profile-pass 1 \
           --folder /tmp/gprof --out "$OUT/gprof_${w}_${m}.json"
       done ;;
+    cgroups)  # one decode step's attention with several documents of few questions (loogle's
+      # shape), stock against cascade, contiguous then gathered documents
+      step cgroups 150 python3 benchmarks/cascade_groups.py ${CG_ARGS:-} --out "$OUT/cascade_groups.json"
+      step cgroups_gather 150 python3 benchmarks/cascade_groups.py --gather ${CG_ARGS:-} \
+        --out "$OUT/cascade_groups_gather.json" ;;
     ltimeline)  # loogle through the worker twice in one process: compilations and eager steps
       step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
         --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;

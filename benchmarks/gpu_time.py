@@ -97,8 +97,8 @@ class Profile:
                     ranges.append((e.start_ns(), e.end_ns(), name[len(PHASE_PREFIX):]))
                 elif e.correlation_id():
                     launches[e.correlation_id()] = e.start_ns()
-            elif e.device_type() == DeviceType.CUDA:
-                device.append(e)
+            elif e.device_type() == DeviceType.CUDA and not e.name().startswith(PHASE_PREFIX):
+                device.append(e)  # (kineto mirrors each phase range onto the GPU's timeline)
         ranges.sort()  # by start
         starts = [r[0] for r in ranges]
 

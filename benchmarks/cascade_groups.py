@@ -1,0 +1,224 @@
+"""One decode step's attention, one layer, with several documents and few questions each.
+
+`benchmarks/kernels.py` measures one document with many questions (the paper's grid). The
+real-data workloads decode another shape: `loogle` is documents of ~19.9k tokens with 18
+questions each, several documents per step, and as answers end at their budgets a document
+keeps a few requests or one. This measures that shape per layer, stock against cascade
+(through `TritonBackend.forward`, the K/V write included, each step captured as a CUDA graph and
+its replays timed, as the engine runs decode), the cascade document kernel alone, and what the
+cost model (`engine/runtime/cost_model.py`) predicts for each, so the model's constants can be
+checked against the kernels at this shape.
+
+Each case is a list of group sizes: "18x6" is six documents of 18 requests, "18,9,4,2,1,1" a
+step late in a run. Every request has `--own` tokens of its own (question and answer so far)
+after its document; the documents are one slot run each, as the engine's allocator lays them
+out (`--gather`: through req_to_token instead).
+
+    python3 benchmarks/cascade_groups.py --model qwen2.5-7b --doc-tokens 19904 \
+        --cases 18,18x3,18x6,18,9,4,2,1,1 --out cascade_groups.json
+
+(`--cases` separates cases by spaces or semicolons: "18x6;18,9,4,2,1,1".) `--smoke` runs tiny
+shapes on the CPU under TRITON_INTERPRET=1, checking the plumbing and that cascade's output
+matches stock's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata  # noqa: E402
+from ppqa.engine.attention.triton_backend import TritonBackend  # noqa: E402
+from ppqa.engine.loading.presets import preset_config  # noqa: E402
+from ppqa.engine.runtime import cost_model  # noqa: E402
+from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+I32 = dict(device=DEV, dtype=torch.int32)
+
+
+def parse_case(text: str) -> list[int]:
+    """'18x3,5,1' -> [18, 18, 18, 5, 1]."""
+    sizes = []
+    for part in text.split(","):
+        n, _, times = part.partition("x")
+        sizes += [int(n)] * int(times or 1)
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"a case is group sizes >= 1, e.g. 18x6 or 18,9,1; got {text!r}")
+    return sizes
+
+
+class Step:
+    """A pool holding len(sizes) documents of doc_len tokens, then each request's own tokens
+    (the last one is this step's token), and a decode step over all requests."""
+
+    def __init__(self, cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
+                 gen: torch.Generator):
+        self.cfg, self.doc_len, self.sizes, self.own, self.gather = cfg, doc_len, sizes, own, gather
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        groups, batch = len(sizes), sum(sizes)
+        self.batch = batch
+        slots = 1 + groups * doc_len + batch * own
+        self.k = torch.randn((slots, kv_heads, dim), generator=gen).to(dtype).to(DEV)
+        self.v = torch.randn((slots, kv_heads, dim), generator=gen).to(dtype).to(DEV)
+        self.group_of = torch.repeat_interleave(torch.arange(groups), torch.tensor(sizes))
+        self.doc_first = 1 + self.group_of * doc_len  # each request's document run
+        own_slots = 1 + groups * doc_len + torch.arange(batch * own).view(batch, own)
+        docs = self.doc_first[:, None] + torch.arange(doc_len)
+        self.table = torch.cat([docs, own_slots], dim=1).to(**I32)
+        self.out_slots = own_slots[:, -1].to(DEV)
+        self.q = torch.randn((batch, heads, dim), generator=gen).to(dtype).to(DEV)
+        self.k_new = torch.randn((batch, kv_heads, dim), generator=gen).to(dtype).to(DEV)
+        self.v_new = torch.randn((batch, kv_heads, dim), generator=gen).to(dtype).to(DEV)
+        self.backend = TritonBackend(
+            SimpleNamespace(k_buffers=[self.k], v_buffers=[self.v],
+                            slot_sid=torch.full((slots,), -1, **I32)),
+            heads, kv_heads, dim, 1 / math.sqrt(dim))
+
+    def meta(self, cascade: bool) -> ForwardMetadata:
+        batch, prefix = self.batch, self.doc_len + self.own - 1
+        casc = None
+        if cascade:
+            indptr = torch.tensor([0] + list(torch.tensor(self.sizes).cumsum(0)), **I32)
+            first_req = indptr[:-1]
+            casc = CascadeMetadata(
+                group_req_indptr=indptr, doc_req_indices=first_req,
+                doc_lens=torch.full((len(self.sizes),), self.doc_len, **I32),
+                max_group_size=max(self.sizes), max_doc_len=self.doc_len,
+                doc_starts=(1 + torch.arange(len(self.sizes)) * self.doc_len).to(**I32),
+                contiguous=not self.gather, doc_groups=len(self.sizes))
+        hints = not cascade and not self.gather  # stock rows read their document runs
+        return ForwardMetadata(
+            kind="decode", positions=torch.zeros(batch, dtype=torch.int64, device=DEV),
+            out_slots=self.out_slots.long(), q_sid=torch.zeros(batch, **I32),
+            qo_indptr=torch.arange(batch + 1, **I32), req_indices=torch.arange(batch, **I32),
+            kv_start=torch.full((batch,), self.doc_len if cascade else 0, **I32),
+            prefix_lens=torch.full((batch,), prefix, **I32), req_to_token=self.table,
+            logit_indices=torch.arange(batch, device=DEV), max_extend_len=1,
+            max_prefix_len=prefix, cascade=casc,
+            doc_start=self.doc_first.to(**I32) if hints else None,
+            doc_len=torch.full((batch,), self.doc_len, **I32) if hints else None)
+
+    def forward(self, meta: ForwardMetadata) -> torch.Tensor:
+        return self.backend.forward(0, self.q, self.k_new, self.v_new, meta)
+
+
+def timed(fn, graphs: bool) -> float:
+    """Median ms: replays of fn captured as a CUDA graph (eagerly on the CPU, once)."""
+    if DEV == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    fn()  # compiles outside the capture
+    if not graphs:
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+
+
+def predicted_ms(cfg, doc_len: int, sizes: list[int], own: int, mode: str) -> float:
+    """The cost model's attention time for this step, one layer: its per-document formula
+    summed over the groups (auto decides per document group)."""
+    rates = cost_model.DeviceRates.for_device("cuda")
+    total = 0.0
+    for n in sizes:  # own = question + answer so far; the model charges q + max_new / 2
+        w = cost_model.Workload(doc_tokens=doc_len, questions=n, question_tokens=own,
+                                max_new_tokens=0)
+        total += cost_model.attention_seconds(cfg, w, mode, 1, rates)
+    return total / cfg.num_layers * 1e3
+
+
+def floor_ms(cfg, doc_len: int, sizes: list[int], own: int, mode: str) -> float:
+    """max(unique bytes / 4.3 TB/s, useful FLOPs / 790 TFLOP/s), one layer."""
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    flops = 4 * cfg.head_dim * cfg.num_heads * sum(sizes) * (doc_len + own)
+    unique = (len(sizes) * doc_len + sum(sizes) * own) * kv
+    if mode == "document":
+        flops = 4 * cfg.head_dim * cfg.num_heads * sum(sizes) * doc_len
+        unique = len(sizes) * doc_len * kv
+    return max(unique / 4.3e12, flops / 790e12) * 1e3
+
+
+def run_case(cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
+             graphs: bool) -> dict:
+    step = Step(cfg, doc_len, sizes, own, dtype, gather, torch.Generator().manual_seed(0))
+    stock_meta, casc_meta = step.meta(False), step.meta(True)
+    stock_out = step.forward(stock_meta).float()
+    casc_out = step.forward(casc_meta).float()
+    plan = step.backend.plan(casc_meta)
+    row = {"sizes": sizes, "groups": len(sizes), "requests": step.batch,
+           "splits": {"stock": step.backend.plan(stock_meta).splits, "suffix": plan.splits,
+                      "document": plan.prefix_splits},
+           "max_abs_diff": float((casc_out - stock_out).abs().max())}
+    row["stock_ms"] = timed(lambda: step.forward(stock_meta), graphs)
+    row["cascade_ms"] = timed(lambda: step.forward(casc_meta), graphs)
+    casc = casc_meta.cascade
+    part = step.backend.scratch.views(step.batch, cfg.num_heads, plan.prefix_splits, cfg.head_dim)
+    row["document_ms"] = timed(lambda: launch_shared_prefix(
+        step.q, step.k, step.v, step.table, casc.group_req_indptr, casc.doc_req_indices,
+        casc.doc_lens, casc.max_group_size, step.backend.sm_scale, plan.prefix_splits, *part,
+        doc_starts=step.backend._doc_starts(casc)), graphs)
+    for mode in ("stock", "cascade"):
+        row[f"{mode}_predicted_ms"] = predicted_ms(cfg, doc_len, sizes, own, mode)
+        row[f"{mode}_floor_ms"] = floor_ms(cfg, doc_len, sizes, own, mode)
+    row["document_floor_ms"] = floor_ms(cfg, doc_len, sizes, own, "document")
+    row["cascade_x"] = row["stock_ms"] / row["cascade_ms"]
+    row["predicted_x"] = row["stock_predicted_ms"] / row["cascade_predicted_ms"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-7b", help="a dummy preset name (its shapes)")
+    ap.add_argument("--doc-tokens", type=int, default=19904)
+    ap.add_argument("--own", type=int, default=141,
+                    help="tokens of each request's own after its document (question + answer)")
+    ap.add_argument("--cases", default="18;18x3;18x6;18,9,4,2,1,1;2x6;1x6",
+                    help="group sizes per case, cases separated by ';' or spaces")
+    ap.add_argument("--gather", action="store_true", help="documents through req_to_token")
+    ap.add_argument("--eager", action="store_true", help="time eager launches, not graph replays")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument("--out", default="cascade_groups.json")
+    args = ap.parse_args()
+    cfg = preset_config("tiny-gqa" if args.smoke else args.model)[0]
+    doc_len, own = (96, 9) if args.smoke else (args.doc_tokens, args.own)
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    cases = ["3;2,1"] if args.smoke else args.cases.replace(" ", ";").split(";")
+    rows = []
+    print(f"{cfg.name}: document {doc_len} tokens, {own} own tokens a request, "
+          f"{'gathered' if args.gather else 'contiguous'} documents, one layer, ms")
+    print(f"{'groups':>22} {'stock':>7} {'cascade':>8} {'doc':>7} {'x':>5} {'pred x':>6} "
+          f"{'stock pred':>10} {'casc pred':>9} {'doc floor':>9} {'splits':>18} {'diff':>8}")
+    for text in ";".join(cases).split(";"):
+        if not text:
+            continue
+        row = run_case(cfg, doc_len, parse_case(text), own, dtype, args.gather, not args.eager)
+        row["case"] = text
+        rows.append(row)
+        s = row["splits"]
+        print(f"{text:>22} {row['stock_ms']:7.3f} {row['cascade_ms']:8.3f} "
+              f"{row['document_ms']:7.3f} {row['cascade_x']:5.2f} {row['predicted_x']:6.2f} "
+              f"{row['stock_predicted_ms']:10.3f} {row['cascade_predicted_ms']:9.3f} "
+              f"{row['document_floor_ms']:9.4f} {str((s['stock'], s['suffix'], s['document'])):>18} "
+              f"{row['max_abs_diff']:8.1e}", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"model": cfg.name, "doc_tokens": doc_len, "own": own,
+                       "gather": args.gather, "graphs": not args.eager, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
