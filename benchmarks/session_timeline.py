@@ -172,9 +172,8 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     from ppqa.store.queue import waiting_questions
     from ppqa.worker import loop
 
-    # A folder per seed: write_batch keeps document files already in its folder (one workload's
-    # modes share them), and a later pass must ingest its own documents.
-    folder = folder / f"seed-{workload.seed}"
+    # A folder per workload and seed, whose stores and batch files a later pass leaves alone.
+    folder = folder / f"{workload.name}-seed-{workload.seed}"
     folder.mkdir(parents=True, exist_ok=True)
     db_path = folder / f"worker-{workload.seed}.db"
     db_path.unlink(missing_ok=True)

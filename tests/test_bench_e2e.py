@@ -75,6 +75,18 @@ def test_batch_file_ingests_each_job(tmp_path):
     assert len(list((tmp_path / "docs").iterdir())) == 1  # the document written once
 
 
+def test_a_folder_used_by_another_workload_gets_this_ones_documents(tmp_path):
+    tok = ByteTokenizer(vocab_size=384)
+    w.write_batch(w.make_jobs(w.WORKLOADS["loogle"], tok, max_docs=1), tmp_path)
+    jobs = w.make_jobs(w.WORKLOADS["tiny"], tok)
+    batch = w.write_batch(jobs, tmp_path)
+    for line in batch.read_text().splitlines():
+        item = json.loads(line)
+        job = next(j for j in jobs.jobs if j.name == item["name"])
+        text = (tmp_path / item["document_path"]).read_text(encoding="utf-8")
+        assert text == jobs.documents[job.document]
+
+
 def test_dummy_bpe_model_has_smollm2s_tokenizer_and_vocabulary(smollm2):
     from ppqa import Engine, SamplingParams
     from ppqa.engine.loading.loader import load_model

@@ -294,14 +294,17 @@ def _shown(question: str, options: list[str], workload: Workload) -> str:
 def write_batch(jobs: Jobs, folder: Path, specs: list[JobSpec] | None = None,
                 name: str = "batch.jsonl") -> Path:
     """An `ppqa ingest --batch` file of `specs` (default: every job) in `folder`, the
-    documents written once each under folder/docs/ and referenced by path."""
+    documents written once each under folder/docs/ and referenced by path. A file already
+    there is kept only if it holds the same text: a folder used before for another workload,
+    seed or `max_docs` would otherwise hand its documents to this one."""
     docs = folder / "docs"
     docs.mkdir(parents=True, exist_ok=True)
     lines = []
     for job in jobs.jobs if specs is None else specs:
         doc = docs / f"d{job.document:04d}.txt"
-        if not doc.exists():
-            doc.write_text(jobs.documents[job.document], encoding="utf-8")
+        text = jobs.documents[job.document]
+        if not doc.exists() or doc.read_text(encoding="utf-8") != text:
+            doc.write_text(text, encoding="utf-8")
         questions = [{"id": qid, "question": q} for qid, q in job.questions]
         for item, options in zip(questions, job.choices or []):
             item["choices"] = options
