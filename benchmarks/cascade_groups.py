@@ -7,7 +7,8 @@ keeps a few requests or one. This measures that shape per layer, stock against c
 (through `TritonBackend.forward`, the K/V write included, each step captured as a CUDA graph and
 its replays timed, as the engine runs decode), the cascade document kernel alone, and what the
 cost model (`engine/runtime/cost_model.py`) predicts for each, so the model's constants can be
-checked against the kernels at this shape.
+checked against the kernels at this shape. Cascade runs three times: with the step's own
+maxima, and with the bounds an engine's CUDA graph plans for (`BOUNDS`).
 
 Each case is a list of group sizes: "18x6" is six documents of 18 requests, "18,9,4,2,1,1" a
 step late in a run. Every request has `--own` tokens of its own (question and answer so far)
@@ -43,9 +44,13 @@ from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata  # n
 from ppqa.engine.attention.triton_backend import TritonBackend  # noqa: E402
 from ppqa.engine.loading.presets import preset_config  # noqa: E402
 from ppqa.engine.runtime import cost_model  # noqa: E402
+from ppqa.engine.runtime.graph_runner import _pow2, length_bucket  # noqa: E402
 from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# How a cascade step's maxima are set (Step.meta): as an eager step, as graphs were keyed before
+# (powers of two), as the graph runner keys them now (whole query tiles).
+BOUNDS = ("exact", "pow2", "tiles")
 I32 = dict(device=DEV, dtype=torch.int32)
 
 
@@ -87,18 +92,32 @@ class Step:
                             slot_sid=torch.full((slots,), -1, **I32)),
             heads, kv_heads, dim, 1 / math.sqrt(dim))
 
-    def meta(self, cascade: bool) -> ForwardMetadata:
+    def meta(self, cascade: bool, bounds: str = "exact") -> ForwardMetadata:
+        """The step's metadata; cascade with `bounds` as a CUDA graph of the engine holds them:
+        "exact" (the step's own maxima, as an eager step), "pow2" (groups padded with empty
+        ones and the largest group rounded to powers of two, the document to its length
+        bucket) or "tiles" (the same, the group size by the backend's cascade_group_bound)."""
         batch, prefix = self.batch, self.doc_len + self.own - 1
-        casc = None
+        casc, max_prefix = None, prefix
         if cascade:
-            indptr = torch.tensor([0] + list(torch.tensor(self.sizes).cumsum(0)), **I32)
-            first_req = indptr[:-1]
+            groups = len(self.sizes)
+            padded = groups if bounds == "exact" else _pow2(groups)
+            ends = list(torch.tensor(self.sizes).cumsum(0))
+            indptr = torch.tensor([0] + ends + ends[-1:] * (padded - groups), **I32)
+            starts = (1 + torch.arange(groups) * self.doc_len).tolist() + [0] * (padded - groups)
+            size, doc_bound = max(self.sizes), self.doc_len
+            if bounds != "exact":
+                doc_bound = length_bucket(self.doc_len)
+                max_prefix = length_bucket(prefix + 1) - 1
+                size = (_pow2(size) if bounds == "pow2" else
+                        self.backend.cascade_group_bound(size, not self.gather))
             casc = CascadeMetadata(
-                group_req_indptr=indptr, doc_req_indices=first_req,
-                doc_lens=torch.full((len(self.sizes),), self.doc_len, **I32),
-                max_group_size=max(self.sizes), max_doc_len=self.doc_len,
-                doc_starts=(1 + torch.arange(len(self.sizes)) * self.doc_len).to(**I32),
-                contiguous=not self.gather, doc_groups=len(self.sizes))
+                group_req_indptr=indptr, doc_req_indices=indptr[:-1].clone(),
+                doc_lens=torch.tensor([self.doc_len] * groups + [0] * (padded - groups), **I32),
+                max_group_size=size, max_doc_len=doc_bound,
+                doc_starts=torch.tensor(starts, **I32),
+                contiguous=not self.gather,
+                doc_groups=groups if bounds == "exact" else _pow2(groups))
         hints = not cascade and not self.gather  # stock rows read their document runs
         return ForwardMetadata(
             kind="decode", positions=torch.zeros(batch, dtype=torch.int64, device=DEV),
@@ -107,7 +126,7 @@ class Step:
             kv_start=torch.full((batch,), self.doc_len if cascade else 0, **I32),
             prefix_lens=torch.full((batch,), prefix, **I32), req_to_token=self.table,
             logit_indices=torch.arange(batch, device=DEV), max_extend_len=1,
-            max_prefix_len=prefix, cascade=casc,
+            max_prefix_len=max_prefix, cascade=casc,
             doc_start=self.doc_first.to(**I32) if hints else None,
             doc_len=torch.full((batch,), self.doc_len, **I32) if hints else None)
 
@@ -156,27 +175,31 @@ def floor_ms(cfg, doc_len: int, sizes: list[int], own: int, mode: str) -> float:
 def run_case(cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
              graphs: bool) -> dict:
     step = Step(cfg, doc_len, sizes, own, dtype, gather, torch.Generator().manual_seed(0))
-    stock_meta, casc_meta = step.meta(False), step.meta(True)
+    stock_meta = step.meta(False)
     stock_out = step.forward(stock_meta).float()
-    casc_out = step.forward(casc_meta).float()
-    plan = step.backend.plan(casc_meta)
     row = {"sizes": sizes, "groups": len(sizes), "requests": step.batch,
-           "splits": {"stock": step.backend.plan(stock_meta).splits, "suffix": plan.splits,
-                      "document": plan.prefix_splits},
-           "max_abs_diff": float((casc_out - stock_out).abs().max())}
-    row["stock_ms"] = timed(lambda: step.forward(stock_meta), graphs)
-    row["cascade_ms"] = timed(lambda: step.forward(casc_meta), graphs)
-    casc = casc_meta.cascade
-    part = step.backend.scratch.views(step.batch, cfg.num_heads, plan.prefix_splits, cfg.head_dim)
-    row["document_ms"] = timed(lambda: launch_shared_prefix(
-        step.q, step.k, step.v, step.table, casc.group_req_indptr, casc.doc_req_indices,
-        casc.doc_lens, casc.max_group_size, step.backend.sm_scale, plan.prefix_splits, *part,
-        doc_starts=step.backend._doc_starts(casc)), graphs)
+           "stock_splits": step.backend.plan(stock_meta).splits,
+           "stock_ms": timed(lambda: step.forward(stock_meta), graphs)}
+    for bounds in BOUNDS:
+        meta = step.meta(True, bounds)
+        diff = float((step.forward(meta).float() - stock_out).abs().max())
+        plan = step.backend.plan(meta)
+        casc = meta.cascade
+        part = step.backend.scratch.views(step.batch, cfg.num_heads, plan.prefix_splits,
+                                          cfg.head_dim)
+        row[bounds] = {
+            "group_bound": casc.max_group_size, "splits": [plan.splits, plan.prefix_splits],
+            "max_abs_diff": diff, "cascade_ms": timed(lambda: step.forward(meta), graphs),
+            "document_ms": timed(lambda: launch_shared_prefix(
+                step.q, step.k, step.v, step.table, casc.group_req_indptr,
+                casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
+                step.backend.sm_scale, plan.prefix_splits, *part,
+                doc_starts=step.backend._doc_starts(casc)), graphs)}
+        row[bounds]["x"] = row["stock_ms"] / row[bounds]["cascade_ms"]
     for mode in ("stock", "cascade"):
         row[f"{mode}_predicted_ms"] = predicted_ms(cfg, doc_len, sizes, own, mode)
         row[f"{mode}_floor_ms"] = floor_ms(cfg, doc_len, sizes, own, mode)
     row["document_floor_ms"] = floor_ms(cfg, doc_len, sizes, own, "document")
-    row["cascade_x"] = row["stock_ms"] / row["cascade_ms"]
     row["predicted_x"] = row["stock_predicted_ms"] / row["cascade_predicted_ms"]
     return row
 
@@ -201,20 +224,20 @@ def main() -> None:
     rows = []
     print(f"{cfg.name}: document {doc_len} tokens, {own} own tokens a request, "
           f"{'gathered' if args.gather else 'contiguous'} documents, one layer, ms")
-    print(f"{'groups':>22} {'stock':>7} {'cascade':>8} {'doc':>7} {'x':>5} {'pred x':>6} "
-          f"{'stock pred':>10} {'casc pred':>9} {'doc floor':>9} {'splits':>18} {'diff':>8}")
+    print(f"{'groups':>20} {'stock':>6} | {'cascade':>7} {'doc':>6} {'x':>5} {'splits':>7} "
+          f"per bounds {'/'.join(BOUNDS)} | {'pred x':>6} {'doc floor':>9}")
     for text in ";".join(cases).split(";"):
         if not text:
             continue
         row = run_case(cfg, doc_len, parse_case(text), own, dtype, args.gather, not args.eager)
         row["case"] = text
         rows.append(row)
-        s = row["splits"]
-        print(f"{text:>22} {row['stock_ms']:7.3f} {row['cascade_ms']:8.3f} "
-              f"{row['document_ms']:7.3f} {row['cascade_x']:5.2f} {row['predicted_x']:6.2f} "
-              f"{row['stock_predicted_ms']:10.3f} {row['cascade_predicted_ms']:9.3f} "
-              f"{row['document_floor_ms']:9.4f} {str((s['stock'], s['suffix'], s['document'])):>18} "
-              f"{row['max_abs_diff']:8.1e}", flush=True)
+        parts = " | ".join(f"{row[b]['cascade_ms']:7.3f} {row[b]['document_ms']:6.3f} "
+                           f"{row[b]['x']:5.2f} {str(tuple(row[b]['splits'])):>7}"
+                           for b in BOUNDS)
+        print(f"{text:>20} {row['stock_ms']:6.3f} | {parts} | {row['predicted_x']:6.2f} "
+              f"{row['document_floor_ms']:9.4f}  diff "
+              f"{max(row[b]['max_abs_diff'] for b in BOUNDS):.1e}", flush=True)
         with open(args.out, "w") as f:
             json.dump({"model": cfg.name, "doc_tokens": doc_len, "own": own,
                        "gather": args.gather, "graphs": not args.eager, "rows": rows}, f, indent=1)

@@ -8,7 +8,12 @@ few graphs cover every length a model may reach.
 
 import bisect
 
-from ppqa.engine.runtime.graph_runner import length_bucket
+import torch
+
+from ppqa.engine.runtime.graph_runner import GraphCache, length_bucket
+from ppqa.kernels.cascade import group_size_bound
+
+GPU = torch.device("cuda")  # tiles are chosen for a GPU from the device type alone
 
 LENGTHS = range(1, 70_000)
 # every allowed bucket up to 2^18: 2^k x (4 + j) / 4, k >= 8, j in 0..3
@@ -32,3 +37,48 @@ def test_few_buckets_cover_every_length():
         [256, 256, 320, 320, 384, 384, 512, 640]
     # four from each power of two 256 .. 32,768 to the next, then 65,536 and 81,920
     assert len({length_bucket(n) for n in LENGTHS}) == 4 * 8 + 2
+
+
+def _query_tiles(group: int, size: int, contiguous: bool) -> int:
+    from ppqa.kernels.cascade import _tiling
+
+    return _tiling(GPU, torch.bfloat16, group, size, contiguous=contiguous)[2]
+
+
+def test_a_cascade_graphs_group_bound_fills_no_more_query_tiles_than_its_steps():
+    # The bound a captured cascade step is planned for: it holds the step's largest group,
+    # stays within the power of two above it, and spans exactly the query tiles that group
+    # fills, so the document kernel's splits are planned for tiles that work (GPU tiling,
+    # computed on the host: no device needed).
+    for group in (1, 2, 4, 6, 7, 8):
+        for contiguous in (True, False):
+            for size in range(1, 257):
+                bound = group_size_bound(GPU, torch.bfloat16, group, size, contiguous)
+                assert size <= bound <= 1 << (size - 1).bit_length(), (group, size, bound)
+                assert _query_tiles(group, bound, contiguous) == \
+                    _query_tiles(group, size, contiguous), (group, size, bound)
+    # Qwen2.5-7B (7 query heads a KV head): 18 questions fill one 128-row tile, not two of 32
+    assert group_size_bound(GPU, torch.bfloat16, 7, 18, True) == 18
+    assert group_size_bound(GPU, torch.bfloat16, 1, 18, True) == 32  # MHA: a power of two
+
+
+def test_graphs_of_cascade_steps_are_keyed_by_the_backends_group_bound():
+    from types import SimpleNamespace
+
+    from ppqa.engine.attention.metadata import CascadeMetadata
+
+    def key(backend, size):
+        i32 = dict(dtype=torch.int32)
+        casc = CascadeMetadata(torch.tensor([0, size], **i32), torch.zeros(1, **i32),
+                               torch.tensor([1000], **i32), max_group_size=size,
+                               max_doc_len=1000, contiguous=True, doc_groups=1)
+        cache = GraphCache.__new__(GraphCache)
+        cache.backend = backend
+        return cache.key(SimpleNamespace(cascade=casc, kind="decode", batch_size=size,
+                                         num_tokens=size, max_extend_len=1, max_prefix_len=1100,
+                                         doc_start=None, doc_len=None))[5]
+
+    seven = SimpleNamespace(cascade_group_bound=lambda n, contiguous: group_size_bound(
+        GPU, torch.bfloat16, 7, n, contiguous))
+    assert key(seven, 18)[1] == 18 and key(seven, 19)[1] == 32  # 19: two tiles, up to 36
+    assert key(SimpleNamespace(), 18)[1] == 32  # a backend without a bound: powers of two

@@ -61,6 +61,24 @@ def test_claim_limits_jobs_and_questions(any_db, add_job):
     assert [c.job_id for c in queue.claim_jobs(any_db, "w1", 60, max_questions=1)] == [ids[3]]
 
 
+def test_a_document_that_fits_the_workers_limits_is_claimed_whole_or_not_yet(any_db, add_job):
+    ids = [add_job(any_db, "Same doc.", [f"Q{i}-{k}?" for k in range(3)]) for i in range(4)]
+    other = add_job(any_db, "Other doc.")
+    # Room for 2 of its 4 jobs now, for all of them once the worker has room: nothing yet, and
+    # nothing of the next document either (it waits its turn).
+    assert queue.claim_jobs(any_db, "w1", 60, max_jobs=2, whole_within=(8, None)) == []
+    assert queue.claim_jobs(any_db, "w1", 60, max_questions=9, whole_within=(8, 100)) == []
+    assert all(job_row(any_db, i)["status"] == "queued" for i in ids + [other])
+    # Room for all 12 questions: the whole document.
+    whole = queue.claim_jobs(any_db, "w1", 60, max_questions=12, whole_within=(8, 100))
+    assert [c.job_id for c in whole] == ids
+    assert [c.job_id for c in queue.claim_jobs(any_db, "w1", 60)] == [other]
+    # A document larger than the limits themselves is claimed in parts, as without them.
+    more = [add_job(any_db, "Long doc.", [f"L{i}?"]) for i in range(5)]
+    assert [c.job_id for c in queue.claim_jobs(any_db, "w2", 60, max_jobs=2,
+                                               whole_within=(3, None))] == more[:2]
+
+
 def test_claim_filters_by_model(any_db, add_job):
     other = add_job(any_db, "Doc.", model="big-model")
     anyone = add_job(any_db, "Doc 2.")

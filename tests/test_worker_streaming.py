@@ -143,3 +143,34 @@ def test_a_template_that_fails_to_render_fails_its_job_alone(sqlite_db, add_job,
         attempts, error = conn.execute(select(Job.attempts, Job.error).where(Job.id == bad)).one()
     assert attempts == 1 and ("template" in error.lower() or "include" in error.lower())
     assert summary.last_error is None  # the engine itself never failed
+
+
+def test_a_document_waits_to_be_claimed_whole_rather_than_in_parts(sqlite_db, add_job, engine,
+                                                                   monkeypatch):
+    # Room for 3 jobs: the first document takes 2, the second has 2 and waits until both fit,
+    # so its questions reach the session in one submit (one group, one decode mode).
+    first = [add_job(sqlite_db, DOC, [f"Part {i}?"], max_new_tokens=8) for i in range(2)]
+    second = [add_job(sqlite_db, OTHER, [f"Bridge {i}?"], max_new_tokens=2) for i in range(2)]
+    submits: list[list] = []
+    make_session = engine.session
+
+    def recording_session(*args, **kwargs):
+        session = make_session(*args, **kwargs)
+        submit = session.submit
+
+        def recorded(requests, **kw):
+            submits.append(sorted({r.key[0] for r in requests}))
+            return submit(requests, **kw)
+
+        session.submit = recorded
+        return session
+
+    monkeypatch.setattr(engine, "session", recording_session)
+    sink = _Events()
+    worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01,
+                                                     max_jobs=3), sink)
+    summary = worker.run()
+    assert summary.count("done") == 4
+    claims = [e[1] for e in sink.events if e[0] == "claimed"]
+    assert claims == [tuple(first), tuple(second)]
+    assert submits == [first, second]

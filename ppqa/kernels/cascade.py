@@ -135,6 +135,20 @@ def _tiling(device, dtype, group: int, max_group_size: int, tiles: _arch.Tiles |
     return tiles, block_m, triton.cdiv(max(max_group_size, 1), block_m // group)
 
 
+def group_size_bound(device, dtype, group: int, size: int, contiguous: bool) -> int:
+    """The group size a CUDA graph of cascade steps is captured for, given a step's largest
+    group: a power of two, or fewer where a whole number of query tiles holds `size`. The
+    graph's grid and its document splits are fixed for the bound: a bound past the query
+    tiles the step's groups fill plans its splits for tiles that return at once, so fewer
+    CTAs work than the GPU has room for (Qwen2.5-7B, 18 requests a group: 32 gave 2 query
+    tiles where one is busy, hence 2 splits where 5 fit, and its document kernel ran at about
+    half the rate of the exact plan; results/h200/cascade_groups_*_s19c4.json)."""
+    bound = 1 << max(size - 1, 0).bit_length()
+    _, block_m, _ = _tiling(device, dtype, group, bound, contiguous=contiguous)
+    per_tile = max(1, block_m // group)
+    return min(bound, triton.cdiv(size, per_tile) * per_tile)
+
+
 def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_heads: int,
                   num_kv_heads: int, head_dim: int, num_groups: int, max_group_size: int,
                   max_doc_len: int, scratch: PartialScratch | None = None,

@@ -82,16 +82,24 @@ def _claimable(now: datetime, model: str | None):
 
 def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: int = 64,
                max_questions: int | None = None, max_attempts: int = 3,
-               model: str | None = None) -> list[ClaimedJob]:
+               model: str | None = None,
+               whole_within: tuple[int, int | None] | None = None) -> list[ClaimedJob]:
     """Claim the claimable jobs of one document, up to `max_jobs` and `max_questions`
     unanswered questions (the first job is taken whatever its size); [] when none is left.
 
     A job whose lease expired `max_attempts` times is failed instead of claimed again. A job
     found with every question answered (its worker died before finishing it) is marked done.
     `model`: only jobs that ask for no model or for this one.
+    `whole_within` (jobs, questions or None): a document whose claimable jobs all fit within
+    these limits is claimed whole or not at all. When they fit these but not `max_jobs` and
+    `max_questions` now, nothing is claimed ([]): the caller asks again when it has more room.
+    Its questions then reach the engine together, as one group (split over claims, the
+    first part chose its decode mode alone and the document was read once per part). A
+    document larger than the limits is claimed in parts, as without them.
     """
     if not worker_id or lease_seconds <= 0 or max_jobs < 1:
         raise ValueError("claim_jobs needs a worker id, lease_seconds > 0 and max_jobs >= 1")
+    fetch = max_jobs if whole_within is None else max(max_jobs, whole_within[0] + 1)
     order = (Job.priority.desc(), Job.created_at, Job.id)
     with db.write() as conn:
         now = db.now(conn)
@@ -115,9 +123,9 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                 select(Job.id, Job.params, Job.priority, Job.attempts, Job.question_count,
                        Job.template_source)
                 .where(_claimable(now, model), Job.document_id == head.document_id)
-                .order_by(*order).limit(max_jobs).with_for_update(skip_locked=True)).all()
+                .order_by(*order).limit(fetch).with_for_update(skip_locked=True)).all()
             open_questions = _unanswered(conn, [r.id for r in rows])
-            total = 0
+            candidates = []
             for row in rows:
                 todo = open_questions.get(row.id, [])
                 if not todo:  # every answer is in: only the finishing step was lost
@@ -131,10 +139,16 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                         status=FAILED, finished_at=now, lease_owner=None, lease_expires_at=None,
                         attempts=Job.attempts + 1, error=f"invalid job parameters: {exc}"))
                     continue
-                if chosen and max_questions is not None and total + len(todo) > max_questions:
+                candidates.append((row, len(todo)))
+            if whole_within is not None and candidates and not _fits(
+                    candidates, max_jobs, max_questions) and _fits(candidates, *whole_within):
+                return []  # the whole document later (the updates above still commit)
+            total = 0
+            for row, todo in candidates[:max_jobs]:
+                if chosen and max_questions is not None and total + todo > max_questions:
                     break
                 chosen.append(row)
-                total += len(todo)
+                total += todo
         expires = now + timedelta(seconds=lease_seconds)
         conn.execute(update(Job).where(Job.id.in_([r.id for r in chosen])).values(
             status=RUNNING, attempts=Job.attempts + 1, lease_owner=worker_id,
@@ -148,6 +162,12 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                        questions=open_questions[r.id], lease_expires_at=expires,
                        template_source=r.template_source)
             for r in chosen]
+
+
+def _fits(candidates: list, max_jobs: int, max_questions: int | None) -> bool:
+    """Whether (job row, open questions) pairs fit within a claim's limits."""
+    return len(candidates) <= max_jobs and (
+        max_questions is None or sum(n for _, n in candidates) <= max_questions)
 
 
 def _next_document(conn, now: datetime, model: str | None, worker_id: str, order):

@@ -203,7 +203,8 @@ class Worker:
                     self.db, opts.worker_id, opts.lease_seconds,
                     max_jobs=self.max_jobs - len(self._runs),
                     max_questions=max(1, self.max_questions - outstanding),
-                    max_attempts=opts.max_attempts, model=opts.model)
+                    max_attempts=opts.max_attempts, model=opts.model,
+                    whole_within=(self.max_jobs, self.max_questions))
             except (SQLAlchemyError, StoreError) as exc:
                 if not busy and not got_any and not opts.follow:
                     raise
@@ -281,6 +282,9 @@ class Worker:
         for run in [r for r in self._runs.values() if r.settleable]:
             outcome = self._settle(run)
             finished_well |= outcome is not None and outcome.status == "done"
+            # Room just freed: claim at once rather than after the poll interval (a document
+            # claimed whole may have been waiting for it: queue.claim_jobs' whole_within).
+            self._next_claim = 0.0
         if finished_well:
             self.max_jobs = min(self.options.max_jobs, self.max_jobs * 2)
             self.max_questions = min(self.options.max_questions, self.max_questions * 2)

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from ppqa.engine.attention.metadata import ForwardMetadata
-from ppqa.kernels.cascade import launch_shared_prefix, prefix_splits, shared_prefix_attention
+from ppqa.kernels.cascade import (
+    group_size_bound, launch_shared_prefix, prefix_splits, shared_prefix_attention,
+)
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
 from ppqa.kernels.kv_store import store_kv
@@ -79,6 +81,12 @@ class TritonBackend:
         # before the suffix's many short ones, which fill the room left beside them.
         self._side = (torch.cuda.Stream(self.device, priority=-1)
                       if self.device.type == "cuda" else None)
+
+    def cascade_group_bound(self, size: int, contiguous: bool) -> int:
+        """The group size a captured cascade step holds for a step whose largest group is
+        `size` (kernels/cascade.group_size_bound)."""
+        return group_size_bound(self.device, self.dtype, self.num_heads // self.num_kv_heads,
+                                size, contiguous)
 
     def init_forward_metadata(self, meta: ForwardMetadata) -> None:
         self._plan = self.plan(meta)

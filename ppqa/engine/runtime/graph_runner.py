@@ -67,9 +67,14 @@ class GraphCache:
         casc = meta.cascade
         # Cascade steps are keyed by bounds, not counts: groups padded to a power of two with
         # empty ones, group size and document groups rounded up, so documents coming and
-        # going in a long session reuse a few graphs instead of capturing one per mix.
+        # going in a long session reuse a few graphs instead of capturing one per mix. The
+        # group size rounds up to a power of two, or to whole query tiles of the document
+        # kernel where that is less (the backend's `cascade_group_bound`).
+        group_bound = getattr(self.backend, "cascade_group_bound", None)
         cascade_key = None if casc is None else (
-            _pow2(casc.doc_req_indices.shape[0]), _pow2(casc.max_group_size),
+            _pow2(casc.doc_req_indices.shape[0]),
+            _pow2(casc.max_group_size) if group_bound is None
+            else group_bound(casc.max_group_size, casc.contiguous),
             length_bucket(casc.max_doc_len), casc.contiguous,
             _pow2(casc.doc_groups if casc.doc_groups is not None else casc.doc_req_indices.shape[0]))
         return self._key(meta, cascade_key)
