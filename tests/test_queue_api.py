@@ -66,13 +66,16 @@ def test_a_document_that_fits_the_workers_limits_is_claimed_whole_or_not_yet(any
     other = add_job(any_db, "Other doc.")
     # Room for 2 of its 4 jobs now, for all of them once the worker has room: nothing yet, and
     # nothing of the next document either (it waits its turn).
-    assert queue.claim_jobs(any_db, "w1", 60, max_jobs=2, whole_within=(8, None)) == []
+    waiting = queue.claim_jobs(any_db, "w1", 60, max_jobs=2, whole_within=(8, None))
+    assert waiting == [] and waiting.deferred
     assert queue.claim_jobs(any_db, "w1", 60, max_questions=9, whole_within=(8, 100)) == []
     assert all(job_row(any_db, i)["status"] == "queued" for i in ids + [other])
     # Room for all 12 questions: the whole document.
     whole = queue.claim_jobs(any_db, "w1", 60, max_questions=12, whole_within=(8, 100))
     assert [c.job_id for c in whole] == ids
     assert [c.job_id for c in queue.claim_jobs(any_db, "w1", 60)] == [other]
+    empty = queue.claim_jobs(any_db, "w1", 60, whole_within=(8, 100))
+    assert empty == [] and not empty.deferred  # nothing left to claim: not a wait
     # A document larger than the limits themselves is claimed in parts, as without them.
     more = [add_job(any_db, "Long doc.", [f"L{i}?"]) for i in range(5)]
     assert [c.job_id for c in queue.claim_jobs(any_db, "w2", 60, max_jobs=2,

@@ -80,10 +80,19 @@ def _claimable(now: datetime, model: str | None):
     return cond
 
 
+class Claims(list):
+    """`claim_jobs`' list of claimed jobs; `deferred`: empty because the next document waits
+    for room to be claimed whole (not because the queue holds nothing claimable)."""
+
+    def __init__(self, jobs=(), deferred: bool = False) -> None:
+        super().__init__(jobs)
+        self.deferred = deferred
+
+
 def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: int = 64,
                max_questions: int | None = None, max_attempts: int = 3,
                model: str | None = None,
-               whole_within: tuple[int, int | None] | None = None) -> list[ClaimedJob]:
+               whole_within: tuple[int, int | None] | None = None) -> Claims:
     """Claim the claimable jobs of one document, up to `max_jobs` and `max_questions`
     unanswered questions (the first job is taken whatever its size); [] when none is left.
 
@@ -95,7 +104,8 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
     `max_questions` now, nothing is claimed ([]): the caller asks again when it has more room.
     Its questions then reach the engine together, as one group (split over claims, the
     first part chose its decode mode alone and the document was read once per part). A
-    document larger than the limits is claimed in parts, as without them.
+    document larger than the limits is claimed in parts, as without them. The empty list
+    returned then is a `Claims` whose `deferred` is true.
     """
     if not worker_id or lease_seconds <= 0 or max_jobs < 1:
         raise ValueError("claim_jobs needs a worker id, lease_seconds > 0 and max_jobs >= 1")
@@ -118,7 +128,7 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
         while not chosen:  # a document whose jobs all turn out answered: try the next one
             head = _next_document(conn, now, model, worker_id, order)
             if head is None:
-                return []
+                return Claims()
             rows = conn.execute(
                 select(Job.id, Job.params, Job.priority, Job.attempts, Job.question_count,
                        Job.template_source)
@@ -142,7 +152,7 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
                 candidates.append((row, len(todo)))
             if whole_within is not None and candidates and not _fits(
                     candidates, max_jobs, max_questions) and _fits(candidates, *whole_within):
-                return []  # the whole document later (the updates above still commit)
+                return Claims(deferred=True)  # the whole document later (updates commit)
             total = 0
             for row, todo in candidates[:max_jobs]:
                 if chosen and max_questions is not None and total + todo > max_questions:
@@ -155,13 +165,13 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
             lease_expires_at=expires, started_at=func.coalesce(Job.started_at, now)))
         doc = conn.execute(select(Document.id, Document.name, Document.text, Document.sha256)
                            .where(Document.id == head.document_id)).one()
-    return [ClaimedJob(job_id=r.id, document_id=doc.id, document_name=doc.name,
-                       document_text=doc.text, document_sha256=doc.sha256,
-                       params=params[r.id], priority=r.priority,
-                       attempts=r.attempts + 1, question_count=r.question_count,
-                       questions=open_questions[r.id], lease_expires_at=expires,
-                       template_source=r.template_source)
-            for r in chosen]
+    return Claims(ClaimedJob(job_id=r.id, document_id=doc.id, document_name=doc.name,
+                             document_text=doc.text, document_sha256=doc.sha256,
+                             params=params[r.id], priority=r.priority,
+                             attempts=r.attempts + 1, question_count=r.question_count,
+                             questions=open_questions[r.id], lease_expires_at=expires,
+                             template_source=r.template_source)
+                  for r in chosen)
 
 
 def _fits(candidates: list, max_jobs: int, max_questions: int | None) -> bool:

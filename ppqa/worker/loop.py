@@ -96,6 +96,7 @@ class Worker:
         self._session = None
         self._leases: LeaseKeeper | None = None
         self._next_claim = 0.0  # perf_counter time before which a worker with work skips claims
+        self._claim_on_settle = False  # the last claim was deferred (queue.Claims.deferred)
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop admitting work; safe from a signal handler or another thread."""
@@ -213,6 +214,8 @@ class Worker:
                 claims = []
             if not claims:
                 self._next_claim = time.perf_counter() + opts.poll_seconds
+                # A document waiting for room to be claimed whole: ask again when a job ends.
+                self._claim_on_settle = getattr(claims, "deferred", False)
                 break
             self._start(claims)
             got_any = True
@@ -282,9 +285,8 @@ class Worker:
         for run in [r for r in self._runs.values() if r.settleable]:
             outcome = self._settle(run)
             finished_well |= outcome is not None and outcome.status == "done"
-            # Room just freed: claim at once rather than after the poll interval (a document
-            # claimed whole may have been waiting for it: queue.claim_jobs' whole_within).
-            self._next_claim = 0.0
+            if self._claim_on_settle:  # the room a waiting document needs may be here now
+                self._next_claim, self._claim_on_settle = 0.0, False
         if finished_well:
             self.max_jobs = min(self.options.max_jobs, self.max_jobs * 2)
             self.max_questions = min(self.options.max_questions, self.max_questions * 2)
