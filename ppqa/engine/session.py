@@ -223,11 +223,8 @@ class EngineSession:
 
     def _prefill(self, bounded: bool) -> None:
         """Document chunks, then the questions whose documents are ready; bounded: at most one
-        of each. A chunk is launched without waiting for it, so the host builds the next step
-        (the document's questions, or a decode step) while the GPU runs it; the question step
-        reads its sampled tokens back, which waits for every launch before it. Each part's
-        host wall time (the question step's includes the device time of the chunks before
-        it) is charged to the streams that waited for it."""
+        of each. Timed to the device (a synchronisation at the end) and charged to the streams
+        that waited for them."""
         sched, stats = self.sched, self.stats
         begin = time.perf_counter()
         worked = False
@@ -243,6 +240,11 @@ class EngineSession:
             stats.steps += 1
             stats.prefilled_tokens += inputs.num_tokens
             worked = True
+            # The wait keeps the chunk's device time in the prefill account (the job reports'
+            # prefill and decode seconds); launched without it, the chunk ran no faster end
+            # to end and its time went to no account (results/h200/e2e_loogle_s19c6.json).
+            if self._cuda:
+                torch.cuda.synchronize(self.engine.device)
             _charge(waiting, "prefill_s", time.perf_counter() - chunk_begin)
             if bounded:
                 break
