@@ -100,3 +100,19 @@ def test_a_grammar_compiles_against_the_saved_tokenizer(pair):
     for token in fast.encode('{"a": 12}'):
         assert matcher.consume_token(token)
     assert matcher.is_accepting()
+
+
+def test_an_llguidance_that_takes_one_end_id_gets_the_first():
+    # llguidance 1.6 (in pyproject's range) takes eos_token as one int, later ones a list.
+    from ppqa.engine.runtime.grammar import _with_eos
+
+    def one_id(*args, eos_token, **kwargs):
+        if not isinstance(eos_token, int):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return args, eos_token, kwargs
+
+    def many(*args, eos_token, **kwargs):
+        return args, eos_token, kwargs
+
+    assert _with_eos(one_id, "t", eos=[7, 9], n_vocab=5) == (("t",), 7, {"n_vocab": 5})
+    assert _with_eos(many, "t", eos=[7, 9], n_vocab=5) == (("t",), [7, 9], {"n_vocab": 5})

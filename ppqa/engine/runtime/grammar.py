@@ -183,14 +183,27 @@ def _library_tokenizer(tokenizer, vocab_size: int):
     eos = list(tokenizer.eos_token_ids)
     backend = getattr(tokenizer, "backend", None)  # json_tokenizer.JsonTokenizer's
     if backend is not None:
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        return _with_eos(llguidance.LLTokenizer, backend.to_str(), n_vocab=vocab_size, eos=eos)
     if hf is not None:
         import llguidance.hf
-        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        return _with_eos(llguidance.hf.from_tokenizer, hf, n_vocab=vocab_size, eos=eos)
     from llguidance._tokenizer import TokenizerWrapper
 
-    return llguidance.LLTokenizer(TokenizerWrapper(_ByteVocabulary(tokenizer, vocab_size)),
-                                  n_vocab=vocab_size, eos_token=eos)
+    return _with_eos(llguidance.LLTokenizer,
+                     TokenizerWrapper(_ByteVocabulary(tokenizer, vocab_size)),
+                     n_vocab=vocab_size, eos=eos)
+
+
+def _with_eos(make, *args, eos: list[int], **kwargs):
+    """make(*args, eos_token=...): every end-of-sequence id where the installed llguidance
+    takes a list; its first where it takes one id (the 1.6 releases, which pyproject's
+    range allows: a model's other end ids then only end an answer outside a grammar)."""
+    try:
+        return make(*args, eos_token=eos, **kwargs)
+    except TypeError:
+        if len(eos) < 1:
+            raise
+        return make(*args, eos_token=eos[0], **kwargs)
 
 
 class _ByteVocabulary:
