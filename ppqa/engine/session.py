@@ -240,9 +240,8 @@ class EngineSession:
             stats.steps += 1
             stats.prefilled_tokens += inputs.num_tokens
             worked = True
-            # The wait keeps the chunk's device time in the prefill account (the job reports'
-            # prefill and decode seconds); launched without it, the chunk ran no faster end
-            # to end and its time went to no account (results/h200/e2e_loogle_s19c6.json).
+            # The wait puts the chunk's device time in the seconds charged to the streams
+            # that wait for it: without it, that time is in no stream's prefill or decode.
             if self._cuda:
                 torch.cuda.synchronize(self.engine.device)
             _charge(waiting, "prefill_s", time.perf_counter() - chunk_begin)

@@ -143,7 +143,7 @@ def group_size_bound(device, dtype, group: int, size: int, contiguous: bool) -> 
     CTAs work than the GPU has room for (Qwen2.5-7B, 18 requests a group: 32 gave 2 query
     tiles where one is busy, hence 2 splits where 5 fit, and its document kernel ran at about
     half the rate of the exact plan; results/h200/cascade_groups_bounds_s19c4.json)."""
-    bound = 1 << max(size - 1, 0).bit_length()
+    bound = triton.next_power_of_2(size)
     _, block_m, _ = _tiling(device, dtype, group, bound, contiguous=contiguous)
     per_tile = max(1, block_m // group)
     return min(bound, triton.cdiv(size, per_tile) * per_tile)
