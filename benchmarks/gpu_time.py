@@ -7,7 +7,10 @@ correlation id; a CUDA graph's kernels to its `cudaGraphLaunch`) and that call t
 phase around it, and adds up:
 - per phase: GPU seconds by kernel kind (`KINDS`) and the top kernels by name;
 - the union of GPU busy intervals against the block's wall time (the GPU idle share is host
-  time the device waited for: launches, synchronisations, Python between steps).
+  time the device waited for: launches, synchronisations, Python between steps);
+- the GPU's idle time by what the host was doing meanwhile: each idle stretch is charged to
+  the innermost phase open on the host at each of its instants, as a path ("decode/read"),
+  and its length joins a histogram of idle stretches.
 The profiler's own overhead lengthens host time (every aten op is recorded), so the wall time
 here is longer than an unprofiled run's; the kernels' own durations are not affected.
 
@@ -45,14 +48,77 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint, sorted busy intervals covering `intervals`."""
+    out: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b <= end:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _idle_gaps(busy: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The stretches of [start, end] outside the merged `busy` intervals."""
+    gaps, t = [], start
+    for a, b in busy:
+        if b <= t:
             continue
-        total += b - max(a, end)
-        end = b
-    return total
+        if a >= end:
+            break
+        if a > t:
+            gaps.append((t, a))
+        t = max(t, b)
+    if t < end:
+        gaps.append((t, end))
+    return gaps
+
+
+def idle_by_path(gaps: list[tuple[float, float]], ranges: list[tuple[float, float, str]]) -> dict:
+    """Seconds of `gaps` (µs) under each innermost path of the nested host `ranges` (µs, properly
+    nested, as one thread's record_function ranges are); "-" where no range is open."""
+    points = sorted([(a, 1, i) for i, (a, _, _) in enumerate(ranges)]
+                    + [(b, 0, i) for i, (_, b, _) in enumerate(ranges)])
+    out: dict[str, float] = defaultdict(float)
+    stack: list[int] = []
+    g, p = 0, 0
+    gaps = sorted(gaps)
+    cursor = gaps[0][0] if gaps else 0.0
+    while g < len(gaps):
+        a, b = gaps[g]
+        cursor = max(cursor, a)
+        nxt = points[p][0] if p < len(points) else float("inf")
+        if nxt <= cursor:  # a range opens or closes at or before the cursor
+            _, opens, i = points[p]
+            if opens:
+                stack.append(i)
+            elif i in stack:
+                stack.remove(i)
+            p += 1
+            continue
+        upto = min(b, nxt)
+        path = "/".join(ranges[i][2] for i in stack) or "-"
+        out[path] += (upto - cursor) / 1e6
+        cursor = upto
+        if upto >= b:
+            g += 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+# Idle stretches by length, µs: upper bounds of the histogram's bins.
+GAP_BINS_US = (10, 100, 1000, 10000, float("inf"))
+
+
+def gap_histogram(gaps: list[tuple[float, float]]) -> dict:
+    """Idle stretches (µs) by length: count and seconds per bin of GAP_BINS_US."""
+    names = ["<10us", "<100us", "<1ms", "<10ms", ">=10ms"]
+    bins = {n: [0, 0.0] for n in names}
+    for a, b in gaps:
+        name = names[bisect.bisect_right(GAP_BINS_US, b - a)]
+        bins[name][0] += 1
+        bins[name][1] += (b - a) / 1e6
+    return {n: {"count": c, "seconds": round(s, 4)} for n, (c, s) in bins.items()}
 
 
 class Profile:
@@ -99,18 +165,21 @@ class Profile:
                     launches[e.correlation_id()] = e.start_ns()
             elif e.device_type() == DeviceType.CUDA and not e.name().startswith(PHASE_PREFIX):
                 device.append(e)  # (kineto mirrors each phase range onto the GPU's timeline)
-        ranges.sort()  # by start
-        starts = [r[0] for r in ranges]
+        ranges.sort(key=lambda r: (r[0], -r[1]))  # by start, an outer range before its inner
+        # Kernels count for the outermost phase around their launch: outermost ranges are
+        # disjoint (one thread's ranges nest).
+        outer: list[tuple[int, int, str]] = []
+        for r in ranges:
+            if not outer or r[0] >= outer[-1][1]:
+                outer.append(r)
+        starts = [r[0] for r in outer]
 
         def phase_at(ns: int | None) -> str:
             if ns is None:
                 return "unattributed"
             i = bisect.bisect_right(starts, ns) - 1
-            # Phases are disjoint or nested one deep: the last range that starts before ns,
-            # else the one before it (its parent, when ns falls after the nested one's end).
-            for a, b, name in (ranges[j] for j in (i, i - 1) if j >= 0):
-                if a <= ns <= b:
-                    return name
+            if i >= 0 and outer[i][0] <= ns <= outer[i][1]:
+                return outer[i][2]
             return "other"
 
         by_phase: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -124,7 +193,12 @@ class Profile:
             slot = names[ph][e.name()[:90]]
             slot[0] += us / 1e6
             slot[1] += 1
-        busy_s = _union_us(intervals) / 1e6
+        busy = _merged(intervals)
+        busy_s = sum(b - a for a, b in busy) / 1e6
+        # The idle stretches between the first and the last device activity (the block's ends
+        # lie on another clock than kineto's when the profiler starts late).
+        gaps = _idle_gaps(busy, busy[0][0], busy[-1][1]) if busy else []
+        idle = idle_by_path(gaps, [(a / 1e3, b / 1e3, n) for a, b, n in ranges])
         host_s = defaultdict(float)
         for a, b, name in ranges:
             host_s[name] += (b - a) / 1e9
@@ -135,6 +209,8 @@ class Profile:
             "gpu_s_by_phase_and_kind": {p: dict(sorted(k.items(), key=lambda kv: -kv[1]))
                                         for p, k in by_phase.items()},
             "gpu_s_by_phase": {p: sum(k.values()) for p, k in by_phase.items()},
+            "gpu_idle_s_by_host_path": {p: round(v, 4) for p, v in idle.items()},
+            "gpu_idle_gaps": gap_histogram(gaps),
             "top_kernels": {p: sorted(([n, round(s, 4), c] for n, (s, c) in v.items()),
                                       key=lambda r: -r[1])[:top]
                             for p, v in names.items()},
@@ -149,3 +225,7 @@ def print_summary(s: dict) -> None:
         total = s["gpu_s_by_phase"][phase]
         parts = ", ".join(f"{k} {v:.2f}" for k, v in kinds.items() if v >= 0.005)
         print(f"  GPU {phase}: {total:.2f} s = {parts}")
+    idle = s.get("gpu_idle_s_by_host_path", {})
+    if idle:
+        print("  GPU idle by host path:", ", ".join(f"{p} {v:.3f}" for p, v in list(idle.items())[:14]))
+        print("  GPU idle stretches:", {k: (v["count"], v["seconds"]) for k, v in s["gpu_idle_gaps"].items()})

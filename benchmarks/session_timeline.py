@@ -102,6 +102,12 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         if prof is not None:
             phased(session, "_prefill", prof, "prefill")
             phased(session, "_decode", prof, "decode")
+            # Inner phases, for the GPU's idle time by what the host was doing.
+            for name, label in (("_run", "forward"), ("_finish", "read"), ("submit", "submit")):
+                phased(session, name, prof, label)
+            for name, label in (("admit", "admit"), ("decode_step", "build"),
+                                ("document_chunk", "chunk"), ("prefill_step", "build")):
+                phased(session.sched, name, prof, label)
         wrap(session, "_prefill", tally, "prefill", phase=phase)
         wrap(session, "_decode", tally, "decode", phase=phase)
         sched = session.sched
@@ -141,7 +147,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         stats = session.close()
     else:
         t0, iterations, wall, stats, extra = worker_pass(engine, workload, jobs, mode, folder,
-                                                         instrument, answers, tally)
+                                                         instrument, answers, tally, prof)
     GraphCache.run = restore
     return {
         "path": path, "seed": workload.seed,
@@ -163,7 +169,7 @@ def sync(engine: Engine) -> None:
 
 
 def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrument, answers,
-                tally: Tally):
+                tally: Tally, prof=None):
     """The workload ingested into a fresh store by the CLI, then `Worker.run` in this process
     on `engine`, with the CLI's progress sink; the worker loop's phases join `tally`."""
     from ppqa.bench.workloads import write_batch
@@ -190,7 +196,19 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     new_session = worker._new_session
     worker._new_session = lambda: instrument(new_session())
     for name in ("_claim_if_room", "_write_and_settle", "_drop_lost"):
+        if prof is not None:
+            phased(worker, name, prof, name.strip("_"))
         wrap(worker, name, tally, f"worker{name}")
+    restore: list = []
+    if prof is not None:  # store transactions and device waits, within the phases above
+        from ppqa.store import queue as store_queue
+
+        for owner, name, label in ((store_queue, "claim_jobs", "claim_sql"),
+                                   (store_queue, "record_answers", "answers_sql"),
+                                   (store_queue, "finish_job", "finish_sql"),
+                                   (torch.cuda, "synchronize", "sync")):
+            restore.append((owner, name, getattr(owner, name)))
+            phased(owner, name, prof, label)
     on_answer = worker._on_answer
 
     def answered(req, answer):
@@ -200,7 +218,11 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     worker._on_answer = answered
     sync(engine)
     t0 = time.perf_counter()
-    summary = worker.run()
+    try:
+        summary = worker.run()
+    finally:
+        for owner, name, original in restore:
+            setattr(owner, name, original)
     sync(engine)
     wall = time.perf_counter() - t0
     session = worker._session
