@@ -121,6 +121,37 @@ def gap_histogram(gaps: list[tuple[float, float]]) -> dict:
     return {n: {"count": c, "seconds": round(s, 4)} for n, (c, s) in bins.items()}
 
 
+def long_gaps(gaps, busy, ranges, host_ops, min_ms: float = 5.0, top: int = 25,
+              ops_each: int = 5) -> list[dict]:
+    """The longest idle stretches (µs) of at least `min_ms`: when (seconds after the first
+    device activity), how long, the host phase path at their middle, and the host events
+    (aten ops, CUDA runtime calls; ns) that overlap them most: what the host was doing."""
+    chosen = sorted((g for g in gaps if g[1] - g[0] >= min_ms * 1e3), key=lambda g: g[0] - g[1])
+    chosen = sorted(chosen[:top])
+    if not chosen:
+        return []
+    starts = [a for a, _ in chosen]
+    overlap: list[dict[str, float]] = [defaultdict(float) for _ in chosen]
+    for a_ns, b_ns, name in host_ops:
+        a, b = a_ns / 1e3, b_ns / 1e3
+        i = bisect.bisect_right(starts, b) - 1
+        while i >= 0 and chosen[i][1] > a:  # gaps are disjoint: scan back while they overlap
+            o = min(b, chosen[i][1]) - max(a, chosen[i][0])
+            if o > 0:
+                overlap[i][name] += o / 1e3
+            i -= 1
+    out = []
+    first = busy[0][0]
+    for (a, b), ops in zip(chosen, overlap):
+        mid = (a + b) / 2
+        path = idle_by_path([(mid, mid + 1e-3)], [(x / 1e3, y / 1e3, n) for x, y, n in ranges])
+        out.append({"at_s": round((a - first) / 1e6, 4), "ms": round((b - a) / 1e3, 2),
+                    "path": next(iter(path), "-"),
+                    "host_ops_ms": [[n, round(v, 2)] for n, v in
+                                    sorted(ops.items(), key=lambda kv: -kv[1])[:ops_each]]})
+    return sorted(out, key=lambda g: -g["ms"])
+
+
 class Profile:
     def __init__(self) -> None:
         self._prof = None
@@ -156,13 +187,16 @@ class Profile:
         ranges: list[tuple[int, int, str]] = []  # phase ranges on the host
         launches: dict[int, int] = {}  # correlation id -> the launching call's start, ns
         device: list = []
+        host_ops: list[tuple[int, int, str]] = []  # every other host event: ops, runtime calls
         for e in events:
             if e.device_type() == DeviceType.CPU:
                 name = e.name()
                 if name.startswith(PHASE_PREFIX):
                     ranges.append((e.start_ns(), e.end_ns(), name[len(PHASE_PREFIX):]))
-                elif e.correlation_id():
+                    continue
+                if e.correlation_id():
                     launches[e.correlation_id()] = e.start_ns()
+                host_ops.append((e.start_ns(), e.end_ns(), name))
             elif e.device_type() == DeviceType.CUDA and not e.name().startswith(PHASE_PREFIX):
                 device.append(e)  # (kineto mirrors each phase range onto the GPU's timeline)
         ranges.sort(key=lambda r: (r[0], -r[1]))  # by start, an outer range before its inner
@@ -211,6 +245,7 @@ class Profile:
             "gpu_s_by_phase": {p: sum(k.values()) for p, k in by_phase.items()},
             "gpu_idle_s_by_host_path": {p: round(v, 4) for p, v in idle.items()},
             "gpu_idle_gaps": gap_histogram(gaps),
+            "long_idle_gaps": long_gaps(gaps, busy, ranges, host_ops),
             "top_kernels": {p: sorted(([n, round(s, 4), c] for n, (s, c) in v.items()),
                                       key=lambda r: -r[1])[:top]
                             for p, v in names.items()},
@@ -229,3 +264,6 @@ def print_summary(s: dict) -> None:
     if idle:
         print("  GPU idle by host path:", ", ".join(f"{p} {v:.3f}" for p, v in list(idle.items())[:14]))
         print("  GPU idle stretches:", {k: (v["count"], v["seconds"]) for k, v in s["gpu_idle_gaps"].items()})
+    for g in s.get("long_idle_gaps", [])[:12]:
+        print(f"    idle {g['ms']:7.1f} ms at {g['at_s']:6.2f} s in {g['path']}: "
+              + "; ".join(f"{n[:40]} {v:.1f}" for n, v in g["host_ops_ms"]))
