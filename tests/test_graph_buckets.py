@@ -40,9 +40,9 @@ def test_few_buckets_cover_every_length():
 
 
 def _query_tiles(group: int, size: int, contiguous: bool) -> int:
-    from ppqa.kernels.cascade import _tiling
+    from ppqa.kernels.cascade import tiling
 
-    return _tiling(GPU, torch.bfloat16, group, size, contiguous=contiguous)[2]
+    return tiling(GPU, torch.bfloat16, group, size, contiguous=contiguous)[2]
 
 
 def test_a_cascade_graphs_group_bound_fills_no_more_query_tiles_than_its_steps():

@@ -90,6 +90,47 @@ def test_a_job_ingested_while_another_decodes_starts_before_it_ends(sqlite_db, a
     assert claims == [(long_job,), (late[0],)]
 
 
+def test_a_busy_worker_claims_one_document_between_two_steps(sqlite_db, add_job, engine,
+                                                             monkeypatch):
+    """With work in flight, each loop iteration claims one document's jobs at most, so that
+    a claim's SQL and tokenization take one slot beside the step in flight, not the room's."""
+    long_job = add_job(sqlite_db, DOC, [f"Describe part {i} in detail." for i in range(3)],
+                       max_new_tokens=60, mode="stock")
+    sink = _Events()
+    late: list[int] = []
+    make_session = engine.session
+
+    def session_that_ingests_on_its_fifth_step(*args, **kwargs):
+        session = make_session(*args, **kwargs)
+        step, steps = session.step, []
+
+        def counted():
+            steps.append(1)
+            sink.events.append(("step",))
+            if len(steps) == 5:  # three documents at once, while the long job decodes
+                late.extend(add_job(sqlite_db, f"{OTHER} Copy {k}.", ["How many bridges?"],
+                                    max_new_tokens=2, mode="stock", name=f"late{k}")
+                            for k in range(3))
+            return step()
+
+        session.step = counted
+        return session
+
+    monkeypatch.setattr(engine, "session", session_that_ingests_on_its_fifth_step)
+    worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01),
+                    sink)
+    summary = worker.run()
+
+    assert summary.count("done") == 4
+    claims = [e[1] for e in sink.events if e[0] in ("claimed",)]
+    assert sorted(j for c in claims[1:] for j in c) == sorted(late)
+    assert all(len(c) == 1 for c in claims[1:])  # one document (one job each) per claim
+    # ... and a step of the session between any two claims.
+    kinds = [e[0] for e in sink.events if e[0] in ("claimed", "step")]
+    assert all(not (a == b == "claimed") for a, b in zip(kinds, kinds[1:])), kinds
+    assert max(_answer_ids(sqlite_db, late[-1])) < min(_answer_ids(sqlite_db, long_job))
+
+
 def test_cancel_stops_one_job_at_once_and_the_others_go_on(sqlite_db, add_job, engine,
                                                           monkeypatch):
     doomed = add_job(sqlite_db, DOC, [f"Question {k}?" for k in range(6)], max_new_tokens=400,

@@ -234,7 +234,9 @@ class Engine:
         (the full-batch decode graphs and the large question prefill); `few-<mode>` a few
         questions in each mode (the small batches a draining step passes through); `mixed` a
         step holding stock and cascade requests together; `choices` a few questions scored
-        against single- and multi-token choices. Each decode shape runs three steps,
+        against single- and multi-token choices; `tiles` the cascade document kernel at every
+        tile it can choose, over gathered and contiguous documents (GPU only: which a session
+        meets depends on its timing, TritonBackend.warm_cascade_tiles). Each decode shape runs three steps,
         the use on which it is captured. The synthetic documents stay cached only until their
         KV is needed. Later phases meet the documents earlier ones left cached, so compile
         helpers (engine/precompile.py) run them in groups that keep that order."""
@@ -267,11 +269,17 @@ class Engine:
         def choices() -> None:
             self.score(short, few, ["yes", "no", "not stated in the document"], mode="cascade")
 
+        def tiles() -> None:
+            warm = getattr(self._parts.backend, "warm_cascade_tiles", None)
+            if warm is not None and self.device.type == "cuda":
+                warm(self._parts.table.table,
+                     max(self.config.max_batch_requests, self.config.max_prefill_tokens))
+
         return [("long", long_document(many, ("cascade",))),
                 ("few-long", long_document(few, ("stock", "cascade"))),
                 ("many", lambda: self.answer(short, many, mode="stock", sampling=sampling)),
                 *((f"few-{mode}", few_in(mode)) for mode in ("stock", "cascade", "parallel")),
-                ("mixed", mixed), ("choices", choices)]
+                ("mixed", mixed), ("choices", choices), ("tiles", tiles)]
 
     # ---- used by sessions --------------------------------------------------------------------
 

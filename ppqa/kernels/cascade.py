@@ -126,7 +126,7 @@ def _prefix_kernel(
     )
 
 
-def _tiling(device, dtype, group: int, max_group_size: int, tiles: _arch.Tiles | None = None,
+def tiling(device, dtype, group: int, max_group_size: int, tiles: _arch.Tiles | None = None,
             contiguous: bool = False) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per group and KV head)."""
     choose = _arch.contig_prefix_tiles if contiguous else _arch.prefix_tiles
@@ -144,7 +144,7 @@ def group_size_bound(device, dtype, group: int, size: int, contiguous: bool) -> 
     tiles where one is busy, hence 2 splits where 5 fit, and its document kernel ran at about
     half the rate of the exact plan; results/h200/cascade_groups_bounds_s19c4.json)."""
     bound = triton.next_power_of_2(size)
-    _, block_m, _ = _tiling(device, dtype, group, bound, contiguous=contiguous)
+    _, block_m, _ = tiling(device, dtype, group, bound, contiguous=contiguous)
     per_tile = max(1, block_m // group)
     return min(bound, triton.cdiv(size, per_tile) * per_tile)
 
@@ -156,7 +156,7 @@ def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_head
     """Document splits for a step; host-side, from the cascade metadata's maxima.
     reserved_states: scratch states already promised to the suffix's decode splits.
     contiguous: the launch will pass doc_starts (its tiles and a wave-filling split count)."""
-    tiles, _, m_tiles = _tiling(device, dtype, num_heads // num_kv_heads, max_group_size,
+    tiles, _, m_tiles = tiling(device, dtype, num_heads // num_kv_heads, max_group_size,
                                 contiguous=contiguous)
     cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
     cap = max(1, cap - reserved_states)
@@ -179,7 +179,7 @@ def launch_shared_prefix(
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
     contiguous = doc_starts is not None
-    tiles, block_m, m_tiles = _tiling(q.device, q.dtype, group, max_group_size, tiles,
+    tiles, block_m, m_tiles = tiling(q.device, q.dtype, group, max_group_size, tiles,
                                       contiguous)
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)

@@ -3,7 +3,8 @@
 The loop, between engine steps (the step in flight runs on the GPU meanwhile):
   - claim when the session has room (jobs and questions in flight below the limits, a short
     backlog of requests waiting for KV): `claim_jobs` is a short write transaction that leases
-    every claimable job of one document; each job's unanswered questions go to the session
+    every claimable job of one document (one document per iteration while work is in flight,
+    so that the claim and its tokenization fit beside the step in flight); each job's unanswered questions go to the session
     (`EngineSession.submit`) with the job's mode, and its lease to the `LeaseKeeper`;
   - step the session once: admission, chunked prefill, one decode step per kind of request;
   - write the answers that step finished (`record_answers`, one short transaction) and settle
@@ -192,12 +193,16 @@ class Worker:
 
     def _claim_if_room(self) -> bool:
         """Claim jobs (one document at a time) while the session has room; True if any came.
-        A worker with work in flight asks again only after `poll_seconds` when none came."""
+        A worker with work in flight asks again only after `poll_seconds` when none came, and
+        claims one document per call: the claim's SQL and its questions' tokenization happen
+        between two engine steps, while the step in flight runs, so each call's share stays
+        within about one step's time rather than the whole room's (the GPU would idle
+        through the rest). An idle session takes all the room it has at once."""
         busy = bool(self._runs)
         if self.stopping or not self._has_room() or (busy and time.perf_counter() < self._next_claim):
             return False
         opts, got_any = self.options, False
-        while not self.stopping and self._has_room():
+        while not self.stopping and self._has_room() and not (busy and got_any):
             outstanding = self._outstanding()
             try:
                 claims = queue.claim_jobs(

@@ -25,6 +25,7 @@ Under TRITON_INTERPRET=1 the same code runs on CPU tensors (slowly), which the t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from ppqa.engine.attention.metadata import ForwardMetadata
 from ppqa.kernels.cascade import (
     group_size_bound, launch_shared_prefix, prefix_splits, shared_prefix_attention,
 )
+from ppqa.kernels.cascade import tiling as cascade_tiling
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
 from ppqa.kernels.kv_store import store_kv
@@ -87,6 +89,34 @@ class TritonBackend:
         `size` (kernels/cascade.group_size_bound)."""
         return group_size_bound(self.device, self.dtype, self.num_heads // self.num_kv_heads,
                                 size, contiguous)
+
+    def warm_cascade_tiles(self, req_to_token: torch.Tensor, max_rows: int) -> int:
+        """Launch the cascade document kernel once for every tile it chooses for groups of up to
+        `max_rows` query rows (requests in a decode step, question tokens in a prefill), over
+        gathered and over contiguous documents, reading a few slots of the pool; returns the
+        launches. Which tile a step takes follows how many of a document's questions run
+        together and whether its slots are one run, which the timing of admissions and frees
+        decides: each tile a warm-up does not meet is a Triton compile (or a load from the
+        disk cache) in the middle of some later session."""
+        group = self.num_heads // self.num_kv_heads
+        q = torch.zeros(1, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        one = functools.partial(torch.tensor, dtype=torch.int32, device=self.device)
+        indptr, doc_rows, doc_lens, doc_starts = one([0, 1]), one([0]), one([16]), one([1])
+        part_o, part_lse = self.scratch.views(1, self.num_heads, 1, self.head_dim)
+        k_buf, v_buf = self.pool.k_buffers[0], self.pool.v_buffers[0]
+        seen = set()
+        for contiguous in (False, True):
+            rows = 1
+            while rows <= max(max_rows, 1):
+                tiles, block_m, _ = cascade_tiling(self.device, self.dtype, group, rows,
+                                                   contiguous=contiguous)
+                if (contiguous, tiles, block_m) not in seen:
+                    seen.add((contiguous, tiles, block_m))
+                    launch_shared_prefix(q, k_buf, v_buf, req_to_token, indptr, doc_rows,
+                                         doc_lens, rows, self.sm_scale, 1, part_o, part_lse,
+                                         doc_starts=doc_starts if contiguous else None)
+                rows *= 2
+        return len(seen)
 
     def init_forward_metadata(self, meta: ForwardMetadata) -> None:
         self._plan = self.plan(meta)
