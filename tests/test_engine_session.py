@@ -292,7 +292,7 @@ def test_small_batches_with_waiting_groups_finish_every_question(tmp_path: Path,
     rng = random.Random(max_batch)
     docs = [text(rng, n) for n in (90, 60, 120, 40)]
     arrivals = [(_requests(rng, docs[0], 7, tmpl, "a", budget=10), "cascade"),
-                (_requests(rng, docs[1], 3, tmpl, "b", budget=10), "stock"),
+                (_requests(rng, docs[1], 3, tmpl, "b", budget=8), "stock"),
                 (_requests(rng, docs[2], 9, tmpl, "c"), "cascade"),
                 (_requests(rng, docs[0], 3, tmpl, "d"), "cascade"),
                 (_requests(rng, docs[3], 3, tmpl, "e"), "parallel")]
@@ -316,5 +316,56 @@ def test_small_batches_with_waiting_groups_finish_every_question(tmp_path: Path,
     stats = session.close()
     assert any(waited)  # a new document's group did wait for room
     assert set(got) == set(expected) and stats.questions == len(expected)
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key
+
+
+def test_a_question_prefill_beside_decode_is_read_after_the_next_step_is_queued(
+        tmp_path: Path) -> None:
+    """Questions prefilled while others decode: their prefill is launched, then the decode step
+    of the requests already running (without them), and only then are their first tokens read
+    back; they decode from the step after. Tokens stay stock's (fp32)."""
+    eng = tiny_engine("tiny-gqa", seed=4)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(11)
+    first = _requests(rng, text(rng, 80), 3, tmpl, "a", budget=12)
+    late = _requests(rng, text(rng, 50), 2, tmpl, "b", budget=4)
+    expected = _reference(eng, first + late)
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    events: list[tuple] = []
+    launch, settle = session._launch, session._settle_prefill
+
+    def logged_launch(step, prev):
+        events.append((step.inputs.kind if prev is None else "decode",
+                       frozenset(s.key.key[0] for r in step.requests if r.row >= 0
+                                 for s in r.streams)))
+        return launch(step, prev)
+
+    def logged_settle():
+        if session._unsettled:
+            events.append(("read", frozenset()))
+        settle()
+
+    session._launch, session._settle_prefill = logged_launch, logged_settle
+    session.submit(first, mode="stock")
+    for _ in range(3):
+        session.step()
+    assert session.sched.running and not session.sched.waiting
+    events.clear()
+    session.submit(late, mode="stock")
+    session.step()  # admits the late questions, prefills them beside the running ones
+    session.step()
+    kinds = [k for k, _ in events]
+    prefill = kinds.index("extend")
+    assert "b" in events[prefill][1] and "a" not in events[prefill][1]
+    # ... then a decode step of the running requests alone, then the read back of the prefill,
+    # then a decode step holding the late questions too.
+    assert kinds[prefill + 1:prefill + 3] == ["decode", "read"]
+    assert events[prefill + 1][1] == {"a"}
+    assert kinds[prefill + 3] == "decode" and events[prefill + 3][1] == {"a", "b"}
+    session.drain()
+    session.close()
+    assert set(got) == set(expected)
     for key, answer in expected.items():
         assert got[key].token_ids == answer.token_ids, key

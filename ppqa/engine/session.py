@@ -5,7 +5,8 @@
         question each (stock, cascade) -> the scheduler's queue; questions with choices
         become scoring requests (engine/scoring.py), which a prefill step answers whole
     step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
-              while others decode, so they keep producing tokens)
+              while others decode, so they keep producing tokens; launched, and waited for
+              only after the iteration's decode step is queued behind them)
            -> run: one decode step per kind of request (every width-1 request in one step,
               stock and cascade side by side; parallel requests per width)
            -> postprocess: the step in flight is read back, finished streams become answers
@@ -79,6 +80,11 @@ class EngineSession:
         # step is charged from the later of its launch and this, so time spent in a prefill
         # while it was in flight is charged once (to the prefill), not to both.
         self._last_read = 0.0
+        # Prefill launched and not yet waited for (`_settle_prefill`): with `overlap_steps`, a
+        # document chunk and a question prefill are waited for after the iteration's decode step
+        # is queued behind them, so the GPU has that step to run while the host reads them.
+        self._unsettled: list[_Prefilled] = []
+        self._defer_prefill = engine.config.overlap_steps
         self._modes: set[str] = set()
         self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
         tokenizer = engine.tokenizer
@@ -158,7 +164,7 @@ class EngineSession:
                     for st in r.streams if not st.cancelled and not st.is_finished})
 
     def has_work(self) -> bool:
-        return self.sched.has_work() or self._in_flight is not None
+        return self.sched.has_work() or self._in_flight is not None or bool(self._unsettled)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -192,10 +198,12 @@ class EngineSession:
         if self._in_flight is not None:
             launched, self._in_flight = self._in_flight, None
             self._finish(launched)
+        self._settle_prefill()
 
     def close(self) -> RunStats:
         """Drop whatever is left (a stop or an error) and return the session's statistics."""
         self._in_flight = None
+        self._unsettled.clear()
         self.sched.abort_all()
         if self._cuda:
             self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.engine.device)
@@ -223,11 +231,10 @@ class EngineSession:
 
     def _prefill(self, bounded: bool) -> None:
         """Document chunks, then the questions whose documents are ready; bounded: at most one
-        of each. Timed to the device (a synchronisation at the end) and charged to the streams
-        that waited for them."""
+        of each. Launched here and waited for in `_settle_prefill` (after the iteration's decode
+        step is queued, with `overlap_steps`; at once without), which charges their device time
+        to the streams that waited for them."""
         sched, stats = self.sched, self.stats
-        begin = time.perf_counter()
-        worked = False
         while True:
             docs = sched.pending_documents()
             if not docs:
@@ -235,40 +242,57 @@ class EngineSession:
             doc = docs[0]
             waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
             inputs = sched.document_chunk(doc)
-            chunk_begin = time.perf_counter()
+            timer = _Timer(self._cuda)
             self._run(inputs)
+            self._launched_prefill(_Prefilled(timer.stop(), [(s, 1.0) for s in waiting]))
             stats.steps += 1
             stats.prefilled_tokens += inputs.num_tokens
-            worked = True
-            # The wait puts the chunk's device time in the seconds charged to the streams
-            # that wait for it: without it, that time is in no stream's prefill or decode.
-            if self._cuda:
-                torch.cuda.synchronize(self.engine.device)
-            _charge(waiting, "prefill_s", time.perf_counter() - chunk_begin)
             if bounded:
                 break
         while True:
             ready = sched.questions_ready()
             if not ready:
                 break
-            worked = True
             for batch in split_by_rows([r for r in ready if r.scoring]):
                 self._score(batch)
             for step in self._question_steps([r for r in ready if not r.scoring]):
-                step_begin = time.perf_counter()
                 stats.prefilled_tokens += step.inputs.num_tokens
-                self._finish(self._launch(step, None), charge=False)
-                seconds = time.perf_counter() - step_begin
-                tokens = sum(len(s.suffix_ids) for r in step.requests for s in r.streams)
-                for req in step.requests:
-                    for stream in req.streams:
-                        stream.prefill_s += seconds * len(stream.suffix_ids) / max(tokens, 1)
+                timer = _Timer(self._cuda)
+                launched = self._launch(step, None)
+                streams = [(s, len(s.suffix_ids)) for r in step.requests for s in r.streams]
+                self._launched_prefill(_Prefilled(timer.stop(), streams, launched))
             if bounded:
                 break
-        if worked:
-            end = time.perf_counter()
-            stats.prefill_s += end - begin
-            self._last_read = end
+        if not self._defer_prefill:
+            self._settle_prefill()
+
+    def _launched_prefill(self, work: _Prefilled) -> None:
+        self._unsettled.append(work)
+        if not self._cuda:
+            # The CPU ran it in the launch: the step in flight, computed before it, must not
+            # be charged for it when read back.
+            self._last_read = time.perf_counter()
+
+    def _settle_prefill(self) -> None:
+        """Wait for the prefill launched so far, in order: charge each its device time (shared
+        by its streams' weights), and read back the first tokens of question prefills (their
+        requests decode from the next step on; answers that end there are delivered)."""
+        if not self._unsettled:
+            return
+        unsettled, self._unsettled = self._unsettled, []
+        for work in unsettled:
+            seconds = work.timer.seconds()
+            self.stats.prefill_s += seconds
+            total = sum(w for _, w in work.streams)
+            for stream, weight in work.streams:
+                stream.prefill_s += seconds * weight / max(total, 1)
+            if work.launched is not None:
+                self._finish(work.launched, charge=False)
+        self._last_read = time.perf_counter()
+
+    def _unread_steps(self) -> set[int]:
+        """Question prefill steps whose tokens are not on the host yet: their requests wait."""
+        return {w.launched.step.uid for w in self._unsettled if w.launched is not None}
 
     def _score(self, requests: list[Request]) -> None:
         """Score the choices of ready scoring requests in one extend, answer the questions
@@ -280,6 +304,7 @@ class EngineSession:
         self.stats.steps += 1
         self.stats.prefilled_tokens += inputs.num_tokens
         seconds = time.perf_counter() - begin
+        self.stats.prefill_s += seconds
         for req in requests:
             req.streams[0].prefill_s += seconds * req.prefill_tokens / max(inputs.num_tokens, 1)
         per_stream: dict[int, list[float]] = {}
@@ -311,7 +336,10 @@ class EngineSession:
 
     def _decode(self) -> None:
         begin = time.perf_counter()
-        batches = self.sched.decode_batches()
+        batches = self.sched.decode_batches(self._unread_steps())
+        if not batches and self._unsettled:  # nothing else to run: the new requests now
+            self._settle_prefill()
+            batches = self.sched.decode_batches()
         for i, batch in enumerate(batches):
             if i:  # the step read back by the batch before may have finished some of these
                 batch = [r for r in batch if r.row >= 0 and r.schedulable().any()]
@@ -328,7 +356,9 @@ class EngineSession:
                 self._flush()
         if not batches:
             self._flush()
-        self.stats.decode_s += time.perf_counter() - begin
+        waited = time.perf_counter()
+        self._settle_prefill()  # behind the step just queued: the GPU runs it meanwhile
+        self.stats.decode_s += waited - begin
 
     def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
         """Run `step` and sample it; `prev` (the step in flight, whose device tokens are this
@@ -399,6 +429,44 @@ class EngineSession:
         stats.prompt_tokens += answer.prompt_tokens
         if self.on_answer is not None:
             self.on_answer(key, answer)
+
+
+class _Timer:
+    """A prefill launch's device time: CUDA events around it (read once it has run), or on
+    the CPU, where the launch runs synchronously, the host's."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._begin_s = time.perf_counter()
+        self._events = None
+        self._seconds = 0.0
+        if cuda:
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> _Timer:
+        if self._events is None:
+            self._seconds = time.perf_counter() - self._begin_s
+        else:
+            self._events[1].record()
+        return self
+
+    def seconds(self) -> float:
+        """Waits for the launch to end on the device."""
+        if self._events is not None:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._seconds
+
+
+class _Prefilled:
+    """Prefill launched and not yet waited for: its timer, the streams charged for it with
+    their weights, and the launched question prefill step whose tokens are still to be read
+    (None for a document chunk)."""
+
+    def __init__(self, timer: _Timer, streams: list[tuple[Stream, float]],
+                 launched: _Launched | None = None) -> None:
+        self.timer, self.streams, self.launched = timer, streams, launched
 
 
 def _charge(streams: list[Stream], field: str, seconds: float) -> None:

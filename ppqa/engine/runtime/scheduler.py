@@ -263,14 +263,17 @@ class Scheduler:
             self.release(req)
         self.running = [r for r in self.running if r.row >= 0]
 
-    def decode_batches(self) -> list[list[Request]]:
+    def decode_batches(self, unread: set[int] | frozenset = frozenset()) -> list[list[Request]]:
         """The running requests that have a stream to feed, as the steps that serve them: one
         for every width-1 request (cascade requests first, grouped by document; stock after),
         one per parallel width. A request whose last tokens are all scheduled waits for them to
-        be read."""
+        be read, and so does one whose last tokens come from a step in `unread` (uids: a
+        question prefill launched, not yet read back)."""
         self.running.sort(key=_step_order)  # stable: arrival order within a document
         batches: dict[tuple, list[Request]] = {}
         for r in self.running:
+            if unread and r.pending_step in unread:
+                continue
             if r.width == 1 and r.mode != "parallel":
                 if r.feeds_one():
                     batches.setdefault((1, "decode"), []).append(r)
