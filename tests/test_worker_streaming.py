@@ -131,6 +131,47 @@ def test_a_busy_worker_claims_one_document_between_two_steps(sqlite_db, add_job,
     assert max(_answer_ids(sqlite_db, late[-1])) < min(_answer_ids(sqlite_db, long_job))
 
 
+def test_a_busy_worker_settles_a_few_jobs_between_two_steps(sqlite_db, add_job, engine,
+                                                            monkeypatch):
+    """Jobs that finish together while another still decodes are settled a few an iteration
+    (SETTLE_PER_ITERATION), each after its answers were written; all end done."""
+    from ppqa.worker import loop
+
+    long_job = add_job(sqlite_db, DOC, [f"Describe part {i} in detail." for i in range(2)],
+                       max_new_tokens=60, mode="stock")
+    short = [add_job(sqlite_db, OTHER, [f"Short {k}?"], max_new_tokens=3, mode="stock",
+                     name=f"short{k}") for k in range(5)]
+    sink = _Events()
+    sink.settled = lambda outcome: sink.events.append(("settled", outcome.job_id))
+    make_session = engine.session
+
+    def session_logging_steps(*args, **kwargs):
+        session = make_session(*args, **kwargs)
+        step = session.step
+
+        def counted():
+            sink.events.append(("step",))
+            return step()
+
+        session.step = counted
+        return session
+
+    monkeypatch.setattr(engine, "session", session_logging_steps)
+    worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu"), sink)
+    summary = worker.run()
+
+    assert summary.count("done") == 6
+    kinds = [e[0] for e in sink.events if e[0] in ("settled", "step")]
+    last_step = max(i for i, k in enumerate(kinds) if k == "step")
+    assert kinds[:last_step].count("settled") == len(short)  # all while the long job decoded
+    streak = 0
+    for kind in kinds[:last_step]:
+        streak = streak + 1 if kind == "settled" else 0
+        assert streak <= loop.SETTLE_PER_ITERATION < len(short), kinds
+    order = [e[1] for e in sink.events if e[0] == "settled"]
+    assert sorted(order[:len(short)]) == sorted(short) and order[-1] == long_job
+
+
 def test_cancel_stops_one_job_at_once_and_the_others_go_on(sqlite_db, add_job, engine,
                                                           monkeypatch):
     doomed = add_job(sqlite_db, DOC, [f"Question {k}?" for k in range(6)], max_new_tokens=400,
