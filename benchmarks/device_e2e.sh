@@ -114,12 +114,13 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     merge)  # the merge kernel's states per loop step at decode's shapes
       step merge 120 python3 benchmarks/merge_states.py --out "$OUT/merge_states.json" ;;
     gprof)  # GPU seconds by kernel kind in prefill and in decode, through the worker (its second
-      # pass profiled): GPROF="WORKLOAD:MODE:MAX_DOCS ...", e.g. "loogle:stock:8 loogle:auto:8"
+      # pass profiled): GPROF="WORKLOAD:MODE:MAX_DOCS ...", e.g. "loogle:stock:8 loogle:auto:8";
+      # GPROF_ARGS: more session_timeline.py options, e.g. --trace-cudnn
       for spec in ${GPROF:?}; do
         IFS=: read -r w m n <<< "$spec"
         step "gprof_${w}_${m}" 240 python3 benchmarks/session_timeline.py --workload "$w" \
           --mode "$m" --max-docs "$n" --paths worker,worker --profile-pass 1 \
-          --folder /tmp/gprof --out "$OUT/gprof_${w}_${m}.json"
+          --folder /tmp/gprof --out "$OUT/gprof_${w}_${m}.json" ${GPROF_ARGS:-}
       done ;;
     cgroups)  # one decode step's attention with several documents of few questions (loogle's
       # shape), stock against cascade, contiguous then gathered documents

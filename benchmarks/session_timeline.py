@@ -233,6 +233,32 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
         "worker_wall_s": summary.wall_seconds, "questions_answered": summary.questions}
 
 
+def trace_cudnn(calls: list[list]) -> None:
+    """Wrap the engine's two ways into cuDNN attention (torch's SDPA for a first chunk, the
+    backend's `_cudnn_attention` for a later chunk) to record [kind, host seconds, key met
+    before in this process, key]: the key is what cuDNN's plan cache is keyed by (shapes,
+    strides, causal)."""
+    import torch.nn.functional as F
+
+    from ppqa.engine.attention import triton_backend
+
+    seen: set = set()
+
+    def timed(kind, fn):
+        def call(q, k, v, *a, **kw):
+            key = (kind, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(),
+                   bool(kw.get("is_causal", kw.get("causal", False))))
+            t0 = time.perf_counter()
+            out = fn(q, k, v, *a, **kw)
+            calls.append([kind, time.perf_counter() - t0, key in seen, str(key)])
+            seen.add(key)
+            return out
+        return call
+
+    F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
+    triton_backend._cudnn_attention = timed("chunk", triton_backend._cudnn_attention)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="paper")
@@ -251,6 +277,10 @@ def main() -> None:
                     help="run pass N (from 0) under torch.profiler: GPU seconds by kernel kind "
                          "for the prefill and the decode, and the GPU's busy share "
                          "(benchmarks/gpu_time.py; the profiler lengthens host time)")
+    ap.add_argument("--trace-cudnn", action="store_true",
+                    help="time every cuDNN attention call on the host (a first chunk's causal "
+                         "call, a later chunk's two) with its shapes and strides, and whether "
+                         "that key came before in the process: which calls stall the host")
     ap.add_argument("--folder", default="timeline_work", help="where worker passes keep stores")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="timeline.json")
@@ -283,6 +313,9 @@ def main() -> None:
     result = {"workload": args.workload, "model": engine.model_name, "mode": args.mode,
               "max_batch_requests": engine.config.max_batch_requests, "warmup_s": warm_s,
               "passes": []}
+    cudnn_calls: list[list] = []
+    if args.trace_cudnn:
+        trace_cudnn(cudnn_calls)
     paths = args.paths.split(",") if args.paths else ["session"] * args.passes
     if any(p not in ("session", "worker") for p in paths):
         ap.error(f"--paths takes 'session' and 'worker', got {args.paths!r}")
@@ -294,6 +327,14 @@ def main() -> None:
                            prof=prof if p == args.profile_pass else None)
         if p == args.profile_pass:
             run["gpu_time"] = prof.summary()
+        if args.trace_cudnn:
+            run["cudnn_calls"], cudnn_calls[:] = list(cudnn_calls), []
+            slow = [c for c in run["cudnn_calls"] if c[1] > 0.005]
+            print(f"  cuDNN calls: {len(run['cudnn_calls'])}, over 5 ms on the host: {len(slow)} "
+                  f"({sum(c[1] for c in slow):.3f} s), of which keys met before: "
+                  f"{sum(1 for c in slow if c[2])}")
+            for c in slow[:12]:
+                print(f"    {c[0]:6s} {c[1] * 1e3:6.1f} ms seen={c[2]} {c[3]}")
         result["passes"].append(run)
         result["compiles"] = compiles
         with open(args.out, "w") as f:

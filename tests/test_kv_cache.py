@@ -50,6 +50,26 @@ def test_allocator_rejects_double_free_and_the_sink() -> None:
         alloc.free(torch.tensor([0]))
 
 
+def test_freeing_many_requests_at_once_leaves_what_one_by_one_leaves() -> None:
+    """Scheduler.release_all frees several requests' slots as one set: the free runs and the
+    count come out as freeing them one at a time would leave them; an overlap is a double free."""
+    def allocate(alloc: SlotAllocator) -> list[torch.Tensor]:
+        parts = [alloc.alloc(n) for n in (7, 3, 11, 5, 9)]
+        alloc.free(parts[1])  # a hole, so the later requests come out fragmented
+        parts.append(alloc.alloc(6))
+        return [p for i, p in enumerate(parts) if i != 1]
+
+    one, many = SlotAllocator(39), SlotAllocator(39)  # slots 1..38: no run of 6 after the hole
+    parts_one, parts_many = allocate(one), allocate(many)
+    assert any(p.numel() > 1 and bool((p.diff() != 1).any()) for p in parts_many)  # fragmented
+    for p in (parts_one[0], parts_one[2], parts_one[4]):
+        one.free(p)
+    many.free(torch.cat([parts_many[0], parts_many[2], parts_many[4]]))
+    assert many._runs == one._runs and many.num_free == one.num_free
+    with pytest.raises(ValueError, match="twice"):
+        many.free(torch.cat([parts_many[1], parts_many[1][:1]]))
+
+
 def test_pool_views_share_one_tensor() -> None:
     pool = KVPool(9, 3, 2, 4, dtype=torch.float32, device=torch.device("cpu"))
     pool.k_buffers[1][5] = 7.0
