@@ -112,3 +112,22 @@ def test_cudnn_attention_with_its_lse_merges_to_causal_attention_under_gqa():
     ref = _causal_reference(q, k, v)[prior:]
     err = (out.float() - ref).norm() / ref.norm()
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("prior", [54, 700])
+def test_chunk_attention_through_cudnn_after_a_short_and_a_long_prior(prior):
+    """A chunk after a short prior (a template's opening copied from a cached document) runs as
+    one causal call over both; after a long one, as two parts merged: both give causal attention."""
+    from ppqa.engine.attention.triton_backend import chunk_attention
+
+    torch.manual_seed(prior)
+    t, h, hk, d = 1000, 28, 4, 128
+    q = torch.randn(prior + t, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(prior + t, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(prior + t, hk, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((t, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    chunk_attention(q[prior:], k[prior:], v[prior:], k[:prior], v[:prior], out, d ** -0.5)
+    ref = _causal_reference(q, k, v)[prior:]
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < 1e-2, err

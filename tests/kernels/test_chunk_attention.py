@@ -1,6 +1,7 @@
 """A document's later prefill chunk as two attentions merged by their log-sum-exp
 (`triton_backend.chunk_attention`): the chunk against the earlier tokens, every key visible,
-and against itself, causal, its rows padded to a multiple of CHUNK_ROWS. On a GPU the two
+and against itself, causal, its rows padded to a multiple of CHUNK_ROWS; after a short prior
+(at most CHUNK_ROWS tokens), one causal call over prior and chunk together. On a GPU the two
 parts are cuDNN's (tests/gpu/test_fused_causal.py); cuDNN cannot run here, so the parts come
 from a reference attention with the same contract, and the padding and the merge (the Triton
 merge kernel, interpreted) are what is checked."""
@@ -33,7 +34,8 @@ def causal_reference(q, k, v, scale):
 
 
 @pytest.mark.parametrize("prior,tokens,heads,kv_heads", [(700, 300, 6, 2), (96, CHUNK_ROWS, 4, 4),
-                                                        (1, 2 * CHUNK_ROWS + 5, 4, 1)])
+                                                        (1, 2 * CHUNK_ROWS + 5, 4, 1),
+                                                        (54, 1000, 6, 2)])
 def test_a_later_chunk_padded_and_merged_is_causal_attention(prior, tokens, heads, kv_heads):
     gen = torch.Generator().manual_seed(prior + tokens)
     d = 16
@@ -44,8 +46,12 @@ def test_a_later_chunk_padded_and_merged_is_causal_attention(prior, tokens, head
     scale = d ** -0.5
     chunk_attention(q[prior:], k[prior:], v[prior:], k[:prior], v[:prior], o, scale,
                     attend=reference_attend(calls))
-    rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
-    # The chunk's rows padded, the earlier tokens (the unmasked part's keys) exact.
-    assert calls == [(rows, prior, False), (rows, rows, True)]
+    if prior > CHUNK_ROWS:
+        rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
+        # The chunk's rows padded, the earlier tokens (the unmasked part's keys) exact.
+        assert calls == [(rows, prior, False), (rows, rows, True)]
+    else:  # a short prior: one causal call over prior + chunk, padded as a whole
+        rows = -(-(prior + tokens) // CHUNK_ROWS) * CHUNK_ROWS
+        assert calls == [(rows, rows, True)]
     ref = causal_reference(q, k, v, scale)[prior:]
     assert torch.allclose(o, ref, atol=1e-5, rtol=1e-4), (o - ref).abs().max()

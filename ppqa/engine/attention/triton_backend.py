@@ -44,8 +44,8 @@ from ppqa.kernels.merge import PartialScratch, merge_attention_states, merge_par
 # (or 16 splits of a 256-request decode step); the CPU interpreter needs far less.
 GPU_SCRATCH_BYTES = 256 << 20
 CPU_SCRATCH_BYTES = 16 << 20
-# A document chunk's rows are padded to a multiple of this in cuDNN's attention (the first
-# chunk's causal call and a later chunk's two): cuDNN builds a plan per shape, ~40 ms each.
+# A later document chunk's rows are padded to a multiple of this in cuDNN's attention
+# (chunk_attention): cuDNN builds a plan per shape, ~40 ms each.
 CHUNK_ROWS = 512
 
 
@@ -183,19 +183,13 @@ class TritonBackend:
         """A document's first chunk through torch's fused causal attention (cuDNN, else
         FlashAttention), exact attention at the matrix units' rate: 530 TFLOP/s on an 8k
         causal square where the extend kernel runs this shape at 160-170
-        (benchmarks/RESULTS.md, 'Prefill'). Its rows are padded with zeros to a multiple of
-        CHUNK_ROWS, which no real row sees (causal) and whose outputs are dropped: documents
-        seldom share a length, and each new shape is a cuDNN plan that the host waits ~40 ms
-        for while the GPU idles (results/h200/gprof_labeling_auto_s21c1.json: three of them in
-        a warm worker pass). bf16/fp16 on a GPU only; False when it does not apply or no fused
-        backend takes the shape, and the extend kernel runs instead."""
+        (benchmarks/RESULTS.md, 'Prefill'). bf16/fp16 on a GPU only; False when it does not
+        apply or no fused backend takes the shape, and the extend kernel runs instead."""
         if self._causal_backends == () or not _fusable(q):
             return False
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        tokens = q.shape[0]
-        rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
-        qh, kh, vh = (_padded_heads_first(x, rows) for x in (q, k, v))
+        qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
         gqa = qh.shape[1] != kh.shape[1]
         candidates = self._causal_backends or (SDPBackend.CUDNN_ATTENTION,
                                                 SDPBackend.FLASH_ATTENTION)
@@ -207,7 +201,7 @@ class TritonBackend:
             except RuntimeError:
                 continue
             self._causal_backends = (backend,)
-            o.copy_(out[0, :, :tokens].transpose(0, 1))
+            o.copy_(out[0].transpose(0, 1))
             return True
         self._causal_backends = ()
         return False
@@ -299,10 +293,23 @@ def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None)
     its log-sum-exp, merged. cuDNN builds a plan per shape and a document's last chunk has a
     length of its own (~40 ms a plan, results/h200/prefill_chunks_s14c6.json), so the chunk's
     rows are padded to a multiple of CHUNK_ROWS with zeros, which no real row sees (causal)
-    and whose outputs are dropped; P, the unmasked part's keys, stays exact."""
+    and whose outputs are dropped; P, the unmasked part's keys, stays exact.
+    A short P (at most CHUNK_ROWS: a document that starts with a cached one's first tokens, a
+    template's opening) varies from document to document and would cost a plan each (50-100
+    ms the GPU idles, results/h200/gprof_quality_auto_s21c3.json, `cudnn_calls`); there the
+    chunk is one causal call over P + T keys instead, the P earlier rows' queries zeros and
+    their outputs dropped, so the padded total is the plan's only length."""
     attend = attend or _cudnn_attention
     group = q.shape[1] // k.shape[1]
-    tokens = q.shape[0]
+    tokens, prior = q.shape[0], k_earlier.shape[0]
+    if prior <= CHUNK_ROWS:
+        rows = -(-(prior + tokens) // CHUNK_ROWS) * CHUNK_ROWS
+        qh = _heads_first(torch.cat([q.new_zeros((prior,) + q.shape[1:]), q]), rows=rows)
+        whole, _ = attend(qh, _heads_first(torch.cat([k_earlier, k]), group, rows),
+                          _heads_first(torch.cat([v_earlier, v]), group, rows),
+                          causal=True, scale=scale)
+        o.copy_(whole[prior:prior + tokens])
+        return
     rows = -(-tokens // CHUNK_ROWS) * CHUNK_ROWS
     qh = _heads_first(q, rows=rows)
     o_a, lse_a = attend(qh, _heads_first(k_earlier, group), _heads_first(v_earlier, group),
@@ -310,13 +317,6 @@ def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None)
     o_b, lse_b = attend(qh, _heads_first(k, group, rows), _heads_first(v, group, rows),
                         causal=True, scale=scale)
     merge_attention_states(o_a[:tokens], lse_a[:tokens], o_b[:tokens], lse_b[:tokens], o)
-
-
-def _padded_heads_first(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """[T, Hx, D] -> a contiguous [1, Hx, rows, D], rows past T zeros."""
-    out = x.new_zeros((1, x.shape[1], rows, x.shape[2]))
-    out[0, :, :x.shape[0]].copy_(x.transpose(0, 1))
-    return out
 
 
 def _heads_first(x: torch.Tensor, group: int = 1, rows: int | None = None) -> torch.Tensor:
