@@ -368,19 +368,23 @@ class EngineSession:
         (its masks need the tokens of `prev` accepted), filling them on a background thread while
         the forward runs; it samples when its tokens are first needed (`_run`, `read`)."""
         launched_at = time.perf_counter()
+        began = None
+        if self._cuda:  # the step's device time starts here (its tokens' copy ends it)
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
         logits = self._run(step.inputs, prev)
         self.stats.steps += 1
         if prev is None:
-            return _Launched(step, self._sample(logits, step), launched_at)
+            return _Launched(step, self._sample(logits, step), launched_at, began)
         self.stats.overlapped_steps += 1  # launched before the step in flight was read
         if step.sampling.grammar is not None:
             self._finish(prev)
             if not self.defer_masks:
-                return _Launched(step, self._sample(logits, step), launched_at)
+                return _Launched(step, self._sample(logits, step), launched_at, began)
             masks = fill_later(step.sampling.grammar, *logits.shape, pin=logits.is_cuda)
-            return _Launched(step, None, launched_at,
+            return _Launched(step, None, launched_at, began,
                              later=lambda: self._sample(logits, step, masks.result()))
-        launched = _Launched(step, self._sample(logits, step), launched_at)
+        launched = _Launched(step, self._sample(logits, step), launched_at, began)
         self._finish(prev)
         return launched
 
@@ -402,12 +406,18 @@ class EngineSession:
         now = time.perf_counter()
         step = launched.step
         if charge:
-            # A decode step's time, shared by its streams: from its launch (or the previous
-            # step's read, when it was launched behind that one) to its tokens, so that steps in
-            # flight together are not counted twice.
+            # A decode step's time, shared by its streams. On a GPU its device time, from the
+            # first of its launches to its tokens' copy: a prefill queued between two decode
+            # steps is charged to its own streams, and a host that read a step back late does
+            # not charge the device work queued after it. On the CPU, where a launch runs the
+            # step, from its launch (or the previous step's read, when it was launched behind
+            # that one) to its tokens, so that steps in flight together count once.
             fed = [s for req, mask in zip(step.requests, step.fed) if req.row >= 0
                    for i, s in enumerate(req.streams) if mask[i]]
-            _charge(fed, "decode_s", now - max(launched.launched_at, self._last_read))
+            seconds = launched.device_seconds()
+            if seconds is None:
+                seconds = now - max(launched.launched_at, self._last_read)
+            _charge(fed, "decode_s", seconds)
             self._last_read = now
         finished = self.sched.postprocess(step, tokens, eos_ids=self._eos,
                                           decode=self.engine.tokenizer.decode, now=now)
@@ -482,8 +492,11 @@ class _Launched:
     behind the step (no wait); `read` waits for this step alone."""
 
     def __init__(self, step: PlannedStep, tokens: torch.Tensor | None, launched_at: float,
+                 began: torch.cuda.Event | None = None,
                  later: Callable[[], torch.Tensor] | None = None) -> None:
-        self.step, self.tokens, self.launched_at = step, tokens, launched_at
+        """launched_at: the host's perf_counter at the launch; began (GPU): a timing event
+        recorded before the step's first kernel."""
+        self.step, self.tokens, self.launched_at, self._began = step, tokens, launched_at, began
         self._event = None
         self._later = later  # samples the step, once its masks are filled (tokens None till then)
         if tokens is not None:
@@ -493,7 +506,7 @@ class _Launched:
         if self.tokens.is_cuda:
             self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
             self._host.copy_(self.tokens, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(enable_timing=self._began is not None)
             self._event.record()
 
     def complete(self) -> None:
@@ -509,3 +522,10 @@ class _Launched:
             return self.tokens.tolist()
         self._event.synchronize()
         return self._host.tolist()
+
+    def device_seconds(self) -> float | None:
+        """Once read: the device's time from the step's first kernel to its tokens' copy;
+        None without a timing event (the CPU)."""
+        if self._began is None or self._event is None:
+            return None
+        return self._began.elapsed_time(self._event) / 1e3

@@ -33,3 +33,39 @@ def test_step_in_flight_on_the_gpu(mode, streams, tmp_path):
     reference = answers_by_key(engines[False], requests, mode=mode, streams=streams)
     assert answers_by_key(engines[True], requests, mode=mode, streams=streams) == reference
     assert "stop" in {reason for _, reason, _ in reference.values()}
+
+
+def test_time_charged_on_the_gpu_fits_in_the_session(tmp_path):
+    """Document chunks and question prefills queued between decode steps, prefill and decode
+    both charged by device events: every answer is charged decode time, the long document's
+    questions prefill time, and together the charges stay within the session's wall time. (A
+    tiny model's steps are too short for this to catch a small double count; the e2e reports'
+    `worker_s`, run less prefill and decode, is where one shows as a negative.)"""
+    import time
+
+    from tests.helpers import text
+
+    eng = Engine("dummy:tiny-gqa", device="cuda", dtype="bfloat16",
+                 config=EngineConfig(seed=3, mem_fraction=0.05, max_prefill_tokens=256))
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(7)
+    got: dict = {}
+    began = time.perf_counter()
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    first = [QuestionRequest(("a", i), text(rng, 40), text(rng, 8),
+                             SamplingParams(max_new_tokens=60, ignore_eos=True), tmpl)
+             for i in range(4)]
+    session.submit(first, mode="stock")
+    for _ in range(3):
+        session.step()
+    long_doc = text(rng, 3000)  # many chunks, prefilled while the first questions decode
+    session.submit([QuestionRequest(("b", i), long_doc, text(rng, 8),
+                                    SamplingParams(max_new_tokens=4, ignore_eos=True), tmpl)
+                    for i in range(3)], mode="stock")
+    session.drain()
+    session.close()
+    wall = time.perf_counter() - began
+    assert len(got) == 7 and all(a.decode_s > 0 for a in got.values())
+    assert all(a.prefill_s > 0 for k, a in got.items() if k[0] == "b")
+    charged = sum(a.prefill_s + a.decode_s for a in got.values())
+    assert 0 < charged <= wall, (charged, wall)
