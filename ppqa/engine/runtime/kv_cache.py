@@ -114,7 +114,7 @@ class KVPool:
             self.kv[:, :, d0:d0 + n].copy_(self.kv[:, :, s0:s0 + n])
             self.slot_sid[d0:d0 + n] = -1
             return
-        dst_d, src_d = dst.to(self.device), src.to(self.device)
+        dst_d, src_d = to_device(dst, self.device), to_device(src, self.device)
         for layer in range(self.kv.shape[1]):
             self.kv[:, layer, dst_d] = self.kv[:, layer, src_d]
         self.slot_sid[dst_d] = -1
@@ -157,7 +157,16 @@ class ReqToTokenTable:
         if end > self.max_row_len:
             raise ValueError(f"a row of {end} tokens exceeds the req_to_token row length "
                              f"{self.max_row_len}")
-        self.table[row, start:end] = slots.to(self.table.device, dtype=torch.int32)
+        self.table[row, start:end] = to_device(slots.to(dtype=torch.int32), self.table.device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`; to a GPU through pinned memory without blocking: a copy from
+    pageable memory waits for the stream, i.e. for the decode step in flight, and an admission
+    writes hundreds of table rows, each such a wait that leaves the GPU idle after the first."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _is_run(slots: torch.Tensor) -> bool:
