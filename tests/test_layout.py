@@ -129,3 +129,17 @@ def test_decode_layout_batches_requests_independently() -> None:
 def test_question_layout_rejects_empty_question() -> None:
     with pytest.raises(ValueError, match="at least one token"):
         question_layout(5, [3, 0])
+
+
+@pytest.mark.parametrize("doc_len,n", [(0, 1), (37, 5), (2048, 23)])
+def test_one_question_layout_is_the_packed_layouts_first_question(doc_len, n) -> None:
+    """The one-question path (stock and cascade requests) gives what packing it first of two
+    gives for its tokens; a question of no tokens is still refused."""
+    one, last = question_layout(doc_len, [n])
+    two, lasts = question_layout(doc_len, [n, 3])
+    assert torch.equal(one.positions, two.positions[:n])
+    assert torch.equal(one.q_sid, two.q_sid[:n]) and one.q_sid.dtype == torch.int32
+    assert torch.equal(one.row_pos, two.row_pos[:n])
+    assert last.tolist() == [lasts.tolist()[0]] == [n - 1]
+    with pytest.raises(ValueError, match="at least one token"):
+        question_layout(doc_len, [0])
