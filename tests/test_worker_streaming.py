@@ -56,28 +56,37 @@ class _Events(ProgressSink):
         self.events.append(("message", text))
 
 
+def _on_each_step(monkeypatch, engine, hook) -> None:
+    """Every session the worker makes calls `hook(n)` before its n-th step (from 1)."""
+    make_session = engine.session
+
+    def session(*args, **kwargs):
+        made = make_session(*args, **kwargs)
+        step, count = made.step, [0]
+
+        def counted():
+            count[0] += 1
+            hook(count[0])
+            return step()
+
+        made.step = counted
+        return made
+
+    monkeypatch.setattr(engine, "session", session)
+
+
 def test_a_job_ingested_while_another_decodes_starts_before_it_ends(sqlite_db, add_job, engine,
                                                                   monkeypatch):
     long_job = add_job(sqlite_db, DOC, [f"Describe part {i} in detail." for i in range(3)],
                        max_new_tokens=60, mode="stock")
     late: list[int] = []
-    make_session = engine.session
 
-    def session_that_ingests_on_its_fifth_step(*args, **kwargs):
-        session = make_session(*args, **kwargs)
-        step, steps = session.step, []
+    def ingest_on_the_fifth(n: int) -> None:
+        if n == 5:  # the long job is decoding by now
+            late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2,
+                                mode="stock"))
 
-        def counted():
-            steps.append(1)
-            if len(steps) == 5:  # the long job is decoding by now
-                late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2,
-                                    mode="stock"))
-            return step()
-
-        session.step = counted
-        return session
-
-    monkeypatch.setattr(engine, "session", session_that_ingests_on_its_fifth_step)
+    _on_each_step(monkeypatch, engine, ingest_on_the_fifth)
     sink = _Events()
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01),
                     sink)
@@ -98,25 +107,15 @@ def test_a_busy_worker_claims_one_document_between_two_steps(sqlite_db, add_job,
                        max_new_tokens=60, mode="stock")
     sink = _Events()
     late: list[int] = []
-    make_session = engine.session
 
-    def session_that_ingests_on_its_fifth_step(*args, **kwargs):
-        session = make_session(*args, **kwargs)
-        step, steps = session.step, []
+    def ingest_on_the_fifth(n: int) -> None:
+        sink.events.append(("step",))
+        if n == 5:  # three documents at once, while the long job decodes
+            late.extend(add_job(sqlite_db, f"{OTHER} Copy {k}.", ["How many bridges?"],
+                                max_new_tokens=2, mode="stock", name=f"late{k}")
+                        for k in range(3))
 
-        def counted():
-            steps.append(1)
-            sink.events.append(("step",))
-            if len(steps) == 5:  # three documents at once, while the long job decodes
-                late.extend(add_job(sqlite_db, f"{OTHER} Copy {k}.", ["How many bridges?"],
-                                    max_new_tokens=2, mode="stock", name=f"late{k}")
-                            for k in range(3))
-            return step()
-
-        session.step = counted
-        return session
-
-    monkeypatch.setattr(engine, "session", session_that_ingests_on_its_fifth_step)
+    _on_each_step(monkeypatch, engine, ingest_on_the_fifth)
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01),
                     sink)
     summary = worker.run()
@@ -143,20 +142,7 @@ def test_a_busy_worker_settles_a_few_jobs_between_two_steps(sqlite_db, add_job, 
                      name=f"short{k}") for k in range(5)]
     sink = _Events()
     sink.settled = lambda outcome: sink.events.append(("settled", outcome.job_id))
-    make_session = engine.session
-
-    def session_logging_steps(*args, **kwargs):
-        session = make_session(*args, **kwargs)
-        step = session.step
-
-        def counted():
-            sink.events.append(("step",))
-            return step()
-
-        session.step = counted
-        return session
-
-    monkeypatch.setattr(engine, "session", session_logging_steps)
+    _on_each_step(monkeypatch, engine, lambda n: sink.events.append(("step",)))
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu"), sink)
     summary = worker.run()
 
@@ -178,22 +164,7 @@ def test_cancel_stops_one_job_at_once_and_the_others_go_on(sqlite_db, add_job, e
                      mode="stock")
     kept = add_job(sqlite_db, OTHER, [f"Other {k}?" for k in range(3)], max_new_tokens=20,
                    mode="stock")
-    make_session = engine.session
-
-    def session_that_cancels_on_its_fifth_step(*args, **kwargs):
-        session = make_session(*args, **kwargs)
-        step, steps = session.step, []
-
-        def counted():
-            steps.append(1)
-            if len(steps) == 5:
-                cancel_job(sqlite_db, doomed)
-            return step()
-
-        session.step = counted
-        return session
-
-    monkeypatch.setattr(engine, "session", session_that_cancels_on_its_fifth_step)
+    _on_each_step(monkeypatch, engine, lambda n: cancel_job(sqlite_db, doomed) if n == 5 else None)
     sink = _Events()
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu",
                                                      lease_seconds=0.3), sink)
