@@ -76,9 +76,10 @@ class EngineSession:
         self.stats = RunStats()
         self.started = time.perf_counter()
         self._in_flight: _Launched | None = None
-        # When the last decode step's tokens came back, or the last prefill ended: a decode
-        # step is charged from the later of its launch and this, so time spent in a prefill
-        # while it was in flight is charged once (to the prefill), not to both.
+        # When the last decode step's tokens came back, or the last prefill ended: on the CPU
+        # a decode step is charged from the later of its launch and this, so time spent in a
+        # prefill while it was in flight is charged once (to the prefill), not to both. (On a
+        # GPU both are charged their device time, `_Launched.device_seconds` and `_Timer`.)
         self._last_read = 0.0
         # Prefill launched and not yet waited for (`_settle_prefill`): with `overlap_steps`, a
         # document chunk and a question prefill are waited for after the iteration's decode step
