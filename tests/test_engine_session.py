@@ -222,8 +222,9 @@ def test_auto_joins_a_document_that_cascade_already_decodes(tmp_path: Path) -> N
 
 
 def test_time_charged_to_answers_fits_in_the_session(tmp_path: Path) -> None:
-    """Prefill chunks run while a decode step is in flight: the answers' prefill and decode
-    seconds are each charged once, so together they never exceed the session's wall time."""
+    """Prefill chunks and a scoring prefill run while a decode step is in flight: the answers'
+    prefill and decode seconds are each charged once, so together they never exceed the
+    session's wall time."""
     import time
 
     eng = tiny_engine("tiny-mha", seed=2, max_prefill_tokens=64)
@@ -235,11 +236,17 @@ def test_time_charged_to_answers_fits_in_the_session(tmp_path: Path) -> None:
     session.submit(_requests(rng, text(rng, 30), 4, tmpl, "s", budget=40), mode="stock")
     session.step()
     session.submit(_requests(rng, text(rng, 1500), 2, tmpl, "l", budget=2), mode="stock")
+    session.step()
+    # Questions with choices, scored in one prefill while the first ones still decode.
+    session.submit([QuestionRequest(("c", i), text(rng, 400), text(rng, 6), template=tmpl,
+                                    choices=("yes", "no", "not stated"))
+                    for i in range(3)], mode="stock")
     session.drain()
     session.close()
     wall = time.perf_counter() - began
     charged = sum(a.prefill_s + a.decode_s for a in got.values())
-    assert len(got) == 6 and all(a.decode_s > 0 for a in got.values())
+    assert len(got) == 9 and all(a.decode_s > 0 for k, a in got.items() if k[0] != "c")
+    assert all(a.prefill_s > 0 for k, a in got.items() if k[0] == "c")
     assert 0 < charged <= wall
 
 

@@ -306,6 +306,8 @@ class EngineSession:
         self.stats.prefilled_tokens += inputs.num_tokens
         seconds = time.perf_counter() - begin
         self.stats.prefill_s += seconds
+        if not self._cuda:  # charged to these questions: not to the decode step in flight too
+            self._last_read = time.perf_counter()
         for req in requests:
             req.streams[0].prefill_s += seconds * req.prefill_tokens / max(inputs.num_tokens, 1)
         per_stream: dict[int, list[float]] = {}
