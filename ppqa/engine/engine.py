@@ -236,10 +236,10 @@ class Engine:
         step holding stock and cascade requests together; `choices` a few questions scored
         against single- and multi-token choices; `tiles` the cascade document kernel at every
         tile it can choose, over gathered and contiguous documents (GPU only: which a session
-        meets depends on its timing, TritonBackend.warm_cascade_tiles). Each decode shape runs three steps,
-        the use on which it is captured. The synthetic documents stay cached only until their
-        KV is needed. Later phases meet the documents earlier ones left cached, so compile
-        helpers (engine/precompile.py) run them in groups that keep that order."""
+        meets depends on its timing, TritonBackend.warm_cascade_tiles). Each decode shape runs
+        three steps, the use on which it is captured. The synthetic documents stay cached only
+        until their KV is needed. Later phases meet the documents earlier ones left cached, so
+        compile helpers (engine/precompile.py) run them in groups that keep that order."""
         sampling = SamplingParams(max_new_tokens=4, ignore_eos=True)
         many = [f"What happened on day {i}?" for i in range(self.config.max_batch_requests)]
         few = many[:8]

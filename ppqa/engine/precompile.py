@@ -56,7 +56,8 @@ MARKER_PREFIX = "ppqa-warm-"
 # sooner (ready 25.4 s against 25.0 with these four) and left the worker's warm-up two extend
 # variants to compile (results/h200/startup_cold_helpers7_s12.json, startup_cold_helpers4_s12c4.json).
 HELPER_PHASES = (("long", "few-long"), ("many",),
-                 ("few-stock", "few-cascade", "few-parallel", "mixed"), ("few-cascade", "choices", "tiles"))
+                 ("few-stock", "few-cascade", "few-parallel", "mixed"),
+                 ("few-cascade", "choices", "tiles"))
 # EngineConfig fields that change which kernels the warm-up meets and that a worker knows
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")

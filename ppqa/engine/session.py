@@ -85,7 +85,6 @@ class EngineSession:
         # document chunk and a question prefill are waited for after the iteration's decode step
         # is queued behind them, so the GPU has that step to run while the host reads them.
         self._unsettled: list[_Prefilled] = []
-        self._defer_prefill = engine.config.overlap_steps
         self._modes: set[str] = set()
         self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
         tokenizer = engine.tokenizer
@@ -264,7 +263,7 @@ class EngineSession:
                 self._launched_prefill(_Prefilled(timer.stop(), streams, launched))
             if bounded:
                 break
-        if not self._defer_prefill:
+        if not self.engine.config.overlap_steps:
             self._settle_prefill()
 
     def _launched_prefill(self, work: _Prefilled) -> None:

@@ -127,7 +127,7 @@ def _prefix_kernel(
 
 
 def tiling(device, dtype, group: int, max_group_size: int, tiles: _arch.Tiles | None = None,
-            contiguous: bool = False) -> tuple[_arch.Tiles, int, int]:
+           contiguous: bool = False) -> tuple[_arch.Tiles, int, int]:
     """(tiles, rows per query tile, query tiles per group and KV head)."""
     choose = _arch.contig_prefix_tiles if contiguous else _arch.prefix_tiles
     tiles = tiles or choose(device, dtype, max_group_size * group)
@@ -157,7 +157,7 @@ def prefix_splits(device: torch.device, dtype: torch.dtype, batch: int, num_head
     reserved_states: scratch states already promised to the suffix's decode splits.
     contiguous: the launch will pass doc_starts (its tiles and a wave-filling split count)."""
     tiles, _, m_tiles = tiling(device, dtype, num_heads // num_kv_heads, max_group_size,
-                                contiguous=contiguous)
+                               contiguous=contiguous)
     cap = scratch.max_states(batch, num_heads, head_dim) if scratch else _arch.MAX_SPLITS
     cap = max(1, cap - reserved_states)
     programs = m_tiles * num_kv_heads * num_groups
@@ -180,7 +180,7 @@ def launch_shared_prefix(
     group = num_heads // num_kv_heads
     contiguous = doc_starts is not None
     tiles, block_m, m_tiles = tiling(q.device, q.dtype, group, max_group_size, tiles,
-                                      contiguous)
+                                     contiguous)
     num_groups = doc_req_indices.shape[0]
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k_pool.dtype, q.device)
     descs = _arch.kv_descriptors(k_pool, v_pool, tiles.block_n, tma) if contiguous else None

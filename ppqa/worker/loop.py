@@ -4,8 +4,9 @@ The loop, between engine steps (the step in flight runs on the GPU meanwhile):
   - claim when the session has room (jobs and questions in flight below the limits, a short
     backlog of requests waiting for KV): `claim_jobs` is a short write transaction that leases
     every claimable job of one document (one document per iteration while work is in flight,
-    so that the claim and its tokenization fit beside the step in flight); each job's unanswered questions go to the session
-    (`EngineSession.submit`) with the job's mode, and its lease to the `LeaseKeeper`;
+    so that the claim and its tokenization fit beside the step in flight); each job's
+    unanswered questions go to the session (`EngineSession.submit`) with the job's mode, and
+    its lease to the `LeaseKeeper`;
   - step the session once: admission, chunked prefill, one decode step per kind of request;
   - write the answers that step finished (`record_answers`, one short transaction) and settle
     each job whose questions are all answered or rejected (a few an iteration while the session
