@@ -88,6 +88,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
         ${PRELOAD_ARGS:-} --out "$OUT/preload_check.json" ;;
     pytestfc)  # the fused-causal and later-chunk GPU tests alone
       step pytestfc 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_causal.py ;;
+    prefillq)  # question prefill by part: documents of 2k and 16k, 16 and 256 questions of 20
+      # and 90 tokens, CodeLlama-7B (PREFILLQ_ARGS: more profile_prefill.py options)
+      step prefillq 240 python3 benchmarks/profile_prefill.py --models dummy:codellama-7b+bpe \
+        --doc-tokens 2048,16384 --questions 16,256 --question-tokens 20,90 --profile \
+        ${PREFILLQ_ARGS:-} --out "$OUT/prefill_q.json" ;;
     prefill)
       step prefill 150 python3 benchmarks/profile_prefill.py --doc-tokens 8192,16384,20480 \
         --questions 64 --question-tokens 20 --alone --out "$OUT/prefill.json" ;;
