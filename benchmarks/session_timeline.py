@@ -89,10 +89,14 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
     tally = Tally()
     graph_use: Counter = Counter()
 
+    key_use: Counter = Counter()
+
     def graph_result(call_args, out):
         graph_use["replayed" if out is not None else "eager"] += 1
+        key_use[repr(call_args[0].key(call_args[2]))] += 1
 
     restore = wrap(GraphCache, "run", tally, "graph_run", graph_result)
+    captured_before = set(map(repr, _graph_keys(engine)))
     compiled_before = (compiles["count"], compiles["seconds"])
     answers: list[float] = []
     batch_sizes: Counter = Counter()
@@ -159,8 +163,54 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         "compile_s": compiles["seconds"] - compiled_before[1],
         "stats": {k: v for k, v in vars(stats).items()},
         "captured_graphs": engine.captured_graphs,
+        # Decode step shapes (GraphCache keys) this pass used, with its steps of each, and
+        # which of them it captured (a capture idles the GPU for its eager run and
+        # instantiation).
+        "graph_keys": dict(key_use.most_common()),
+        "captured_keys": sorted(set(map(repr, _graph_keys(engine))) - captured_before),
         "first_answer_s": (answers[0] - t0) if answers else None,
     }
+
+
+def _graph_keys(engine: Engine) -> list:
+    cache = engine._parts.runner.graphs
+    return list(cache.graphs) if cache is not None else []
+
+
+class SyncLog:
+    """Every synchronising CUDA call (torch's sync debug mode, 'warn') while active, counted
+    by the innermost ppqa frames that made it: the session's loop should wait for the GPU
+    only where it reads tokens back, so any other site is a stall to remove."""
+
+    def __init__(self) -> None:
+        self.sites: Counter = Counter()
+
+    def __enter__(self):
+        import traceback
+        import warnings
+
+        self._old_show = warnings.showwarning
+        self._filters = warnings.filters[:]
+        warnings.simplefilter("always")
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" not in str(message):
+                return self._old_show(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if "/ppqa/" in f.filename]
+            site = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                              for f in reversed(frames[-3:]))
+            self.sites[site or "(outside ppqa)"] += 1
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._old_show
+        warnings.filters[:] = self._filters
 
 
 def sync(engine: Engine) -> None:
@@ -281,6 +331,9 @@ def main() -> None:
                     help="time every cuDNN attention call on the host (a first chunk's causal "
                          "call, a later chunk's two) with its shapes and strides, and whether "
                          "that key came before in the process: which calls stall the host")
+    ap.add_argument("--sync-check", type=int, default=None, metavar="N",
+                    help="count the synchronising CUDA calls of pass N by where they are made "
+                         "(torch's sync debug mode; slows the pass)")
     ap.add_argument("--folder", default="timeline_work", help="where worker passes keep stores")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="timeline.json")
@@ -321,12 +374,22 @@ def main() -> None:
         ap.error(f"--paths takes 'session' and 'worker', got {args.paths!r}")
     for p, path in enumerate(paths):
         prof = Profile() if p == args.profile_pass else contextlib.nullcontext()
-        with prof:
+        syncs = SyncLog() if p == args.sync_check else contextlib.nullcontext()
+        with prof, syncs:
             run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p),
                            args.mode, args.max_docs, phase, compiles, path, Path(args.folder),
                            prof=prof if p == args.profile_pass else None)
         if p == args.profile_pass:
             run["gpu_time"] = prof.summary()
+        if p == args.sync_check:
+            run["syncs"] = dict(syncs.sites.most_common())
+            print(f"  synchronising calls: {sum(syncs.sites.values())} at {len(syncs.sites)} sites")
+            for site, count in syncs.sites.most_common(15):
+                print(f"    {count:6d}  {site}")
+        if run["captured_keys"]:
+            print(f"  graphs captured in this pass: {len(run['captured_keys'])}")
+            for key in run["captured_keys"][:12]:
+                print(f"    {run['graph_keys'].get(key, 0):4d} steps  {key}")
         if args.trace_cudnn:
             run["cudnn_calls"], cudnn_calls[:] = list(cudnn_calls), []
             slow = [c for c in run["cudnn_calls"] if c[1] > 0.005]

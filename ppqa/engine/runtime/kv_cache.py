@@ -117,7 +117,9 @@ class KVPool:
         dst_d, src_d = to_device(dst, self.device), to_device(src, self.device)
         for layer in range(self.kv.shape[1]):
             self.kv[:, layer, dst_d] = self.kv[:, layer, src_d]
-        self.slot_sid[dst_d] = -1
+        # index_fill_, not `slot_sid[dst_d] = -1`: that copies the scalar from the host and
+        # waits for the stream.
+        self.slot_sid.index_fill_(0, dst_d, -1)
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
