@@ -40,6 +40,40 @@ def test_allocator_gathers_fragments_and_merges_on_free() -> None:
     assert alloc.alloc(20).tolist() == list(range(1, 21))  # merged back into one run
 
 
+def test_allocator_takes_high_requests_from_the_far_end() -> None:
+    alloc = SlotAllocator(21)  # slots 1..20
+    assert alloc.alloc(3, high=True).tolist() == [18, 19, 20]
+    assert alloc.alloc(4).tolist() == [1, 2, 3, 4]
+    alloc.free(torch.tensor([2, 3]))
+    assert alloc.alloc(2, high=True).tolist() == [16, 17]  # the last run that fits, its end
+    # none long enough: pieces from the far end inwards
+    assert alloc.alloc(12, high=True).tolist() == list(range(5, 16)) + [3]
+    assert alloc.num_free == 1 and alloc.alloc(2, high=True) is None
+    assert alloc.alloc(1).tolist() == [2]
+
+
+def test_a_new_document_evicts_for_one_run_rather_than_take_pieces() -> None:
+    """Freeing just enough slots in total would leave the new document in two pieces: the
+    next least recently used document goes too, so that it gets one run."""
+    alloc = SlotAllocator(41)  # slots 1..40
+    docs = DocumentCache(alloc)
+    a, b, c = (docs.insert(list(range(k, k + 8))) for k in (0, 100, 200))
+    e = docs.insert(list(range(300, 310)))  # slots 25..34; 35..40 free
+    docs.acquire(c)
+    docs.acquire(e)
+    d = docs.insert(list(range(400, 410)))
+    assert d.start == 1 and d.slots.tolist() == list(range(1, 11))
+    assert docs.get(a.token_ids) is None and docs.get(b.token_ids) is None
+    assert docs.get(c.token_ids) is c and alloc.num_free == 16 - 10 + 6
+    # Within its budget only: a document longer than 2n is not evicted for a run.
+    alloc2 = SlotAllocator(31)
+    docs2 = DocumentCache(alloc2)
+    big = docs2.insert(list(range(20)))  # 1..20, unused
+    docs2.alloc(4)  # 21..24 (a request's slots); 25..30 free
+    docs2.acquire(docs2.insert(list(range(500, 503))))  # 25..27; 28..30 free
+    assert docs2._evict_for_run(4) is None and docs2.get(big.token_ids) is big
+
+
 def test_allocator_rejects_double_free_and_the_sink() -> None:
     alloc = SlotAllocator(11)
     a = alloc.alloc(5)
@@ -89,6 +123,23 @@ def test_table_rows_and_row_length_check() -> None:
         table.write(2, 6, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="dummy row"):
         table.write(0, 0, torch.tensor([1]))
+
+
+def test_deferred_table_writes_land_together_and_later_writes_win() -> None:
+    """As on a GPU: writes wait until the table is read, and one that rewrites positions
+    still waiting (a row freed and taken again before a step) lands after the first."""
+    table = ReqToTokenTable(3, 8, torch.device("cpu"), deferred=True)
+    table.write(2, 0, torch.tensor([7, 8, 9]))
+    table.write(3, 4, torch.tensor([1, 2]))
+    table.write(2, 3, torch.tensor([10]))
+    assert table._table[2].tolist() == [0] * 8  # nothing has landed yet
+    assert table.table[2, :4].tolist() == [7, 8, 9, 10]
+    assert table.table[3].tolist() == [0, 0, 0, 0, 1, 2, 0, 0]
+    table.write(2, 0, torch.tensor([4, 4]))
+    table.write(2, 1, torch.tensor([5, 5, 5]))  # overlaps the write waiting before it
+    assert table.table[2, :5].tolist() == [4, 5, 5, 5, 0]
+    with pytest.raises(ValueError, match="row length 8"):
+        table.write(2, 7, torch.tensor([1, 2]))
 
 
 def test_document_cache_shares_refcounts_and_evicts_least_recently_used() -> None:

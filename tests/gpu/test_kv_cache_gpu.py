@@ -26,6 +26,7 @@ def test_table_writes_and_scattered_copies_do_not_wait_for_the_device():
             busy = busy @ busy / 2048 ** 0.5
         table.write(2, 0, slots[:10])
         table.write(2, 10, slots[10:])
+        assert table.table.is_cuda  # the waiting writes land: one pinned copy, one scatter
         pool.copy_slots(dst, src)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -42,28 +42,46 @@ class SlotAllocator:
         """Slots that can ever be handed out (all but the sink)."""
         return self.num_slots - 1
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """n slots (int64, CPU): one contiguous run if any is long enough, else the first free ones."""
+    def alloc(self, n: int, *, high: bool = False) -> torch.Tensor | None:
+        """n slots (int64, CPU): one contiguous run if any is long enough, else the first free
+        ones. `high`: from the pool's far end instead (the last run that fits, its last
+        slots), for short-lived reservations, so that they do not cut the runs that
+        documents take from the near end."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self.num_free:
             return None
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        for i, (start, length) in enumerate(self._runs):
+        order = range(len(self._runs) - 1, -1, -1) if high else range(len(self._runs))
+        for i in order:
+            start, length = self._runs[i]
             if length >= n:
-                self._runs[i:i + 1] = [(start + n, length - n)] if length > n else []
+                if high:
+                    self._runs[i:i + 1] = [(start, length - n)] if length > n else []
+                    start += length - n
+                else:
+                    self._runs[i:i + 1] = [(start + n, length - n)] if length > n else []
                 self.num_free -= n
                 return torch.arange(start, start + n, dtype=torch.int64)
         pieces, need = [], n
         while need:
-            start, length = self._runs[0]
+            i = len(self._runs) - 1 if high else 0
+            start, length = self._runs[i]
             take = min(length, need)
-            pieces.append(torch.arange(start, start + take, dtype=torch.int64))
-            self._runs[0:1] = [(start + take, length - take)] if length > take else []
+            first = start + length - take if high else start
+            pieces.append(torch.arange(first, first + take, dtype=torch.int64))
+            if high:
+                self._runs[i:i + 1] = [(start, length - take)] if length > take else []
+            else:
+                self._runs[i:i + 1] = [(start + take, length - take)] if length > take else []
             need -= take
         self.num_free -= n
         return torch.cat(pieces)
+
+    def longest_run(self) -> int:
+        """The most free slots in one run."""
+        return max((length for _, length in self._runs), default=0)
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
@@ -131,16 +149,34 @@ class ReqToTokenTable:
 
     Row 0 is the dummy row: all zeros forever (every position is the sink slot 0), for the padded
     requests of fixed-shape (CUDA graph) steps. Row 1 is scratch for document prefill.
+
+    On a GPU (`deferred`), writes wait on the host and reach the device together when `table`
+    is next read (every step's `ModelRunner.prepare` reads it): one pinned copy and one scatter
+    for an admission's hundreds of rows. Pinned staging per row cost a page-locked allocation
+    each while the step in flight held the last ones, ~0.2 s of idle GPU per labeling pass
+    (results/h200/gprof_labeling_auto_s22c1.json, `admit`).
     """
 
     DUMMY_ROW = 0
     SCRATCH_ROW = 1
 
-    def __init__(self, max_requests: int, max_row_len: int, device: torch.device) -> None:
+    def __init__(self, max_requests: int, max_row_len: int, device: torch.device,
+                 deferred: bool | None = None) -> None:
         self.max_row_len = max_row_len
-        self.table = torch.zeros(max_requests + 2, max_row_len, dtype=torch.int32, device=device)
+        self._table = torch.zeros(max_requests + 2, max_row_len, dtype=torch.int32,
+                                  device=device)
         self._free_rows = list(range(max_requests + 1, 1, -1))
         self.scratch_row = self.SCRATCH_ROW
+        self.deferred = torch.device(device).type == "cuda" if deferred is None else deferred
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (flat position, slots)
+        self._pending_ranges: dict[int, list[tuple[int, int]]] = {}
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The device table with every write so far applied."""
+        if self._pending:
+            self._flush()
+        return self._table
 
     @property
     def num_free_rows(self) -> int:
@@ -159,7 +195,24 @@ class ReqToTokenTable:
         if end > self.max_row_len:
             raise ValueError(f"a row of {end} tokens exceeds the req_to_token row length "
                              f"{self.max_row_len}")
-        self.table[row, start:end] = to_device(slots.to(dtype=torch.int32), self.table.device)
+        if not self.deferred:
+            self._table[row, start:end] = to_device(slots.to(dtype=torch.int32),
+                                                    self._table.device)
+            return
+        ranges = self._pending_ranges.get(row, [])
+        if any(a < end and start < b for a, b in ranges):
+            self._flush()  # a position written twice: the earlier write lands first
+        self._pending_ranges.setdefault(row, []).append((start, end))
+        self._pending.append((row * self.max_row_len + start, slots))
+
+    def _flush(self) -> None:
+        """The waiting writes (no position twice) as one pinned copy and one scatter."""
+        pending, self._pending, self._pending_ranges = self._pending, [], {}
+        positions = torch.cat([torch.arange(at, at + s.numel(), dtype=torch.int64)
+                               for at, s in pending])
+        values = torch.cat([s.to(dtype=torch.int64) for _, s in pending])
+        staged = to_device(torch.stack([positions, values]), self._table.device)
+        self._table.view(-1).index_copy_(0, staged[0], staged[1].to(torch.int32))
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -295,11 +348,28 @@ class DocumentCache:
             return None, 0
         return best, best_len
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """n slots from the pool, evicting unused documents (least recently used first) if needed."""
+    def alloc(self, n: int, *, high: bool = False) -> torch.Tensor | None:
+        """n slots from the pool, evicting unused documents (least recently used first) if
+        needed; `high`: from the pool's far end (`SlotAllocator.alloc`)."""
         if n > self.allocator.num_free and not self.evict(n - self.allocator.num_free):
             return None
-        return self.allocator.alloc(n)
+        if not high and n > self.allocator.longest_run():
+            self._evict_for_run(n)
+        return self.allocator.alloc(n, high=high)
+
+    def _evict_for_run(self, n: int) -> None:
+        """Unused documents, least recently used first, until n free slots lie in one run,
+        freeing at most 2n slots more: a document gathered from pieces is read slot by slot
+        in every step that attends to it (a slower kernel and a decode graph of its own),
+        where a run costs one more document prefill if an evicted one comes back."""
+        budget = 2 * n
+        unused = sorted((d for d in self._docs.values() if d.ref_count == 0),
+                        key=lambda d: d.last_used)
+        for doc in unused:
+            if self.allocator.longest_run() >= n or doc.length > budget:
+                return
+            budget -= doc.length
+            self.drop(doc)
 
     def evict(self, n: int) -> bool:
         """Evict unused documents until at least n more slots are free; False if impossible."""

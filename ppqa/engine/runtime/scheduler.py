@@ -144,7 +144,11 @@ class Scheduler:
             if doc is None:
                 return False
         self.docs.acquire(doc)  # pinned before the reservation so eviction cannot take it
-        slots = self.docs.alloc(req.reserve_tokens)
+        # A request's own slots come from the pool's far end: freed when it finishes, they
+        # would otherwise leave holes between documents, and a document that finds no run
+        # long enough is gathered slot by slot in every decode step (a slower kernel and a
+        # graph of its own).
+        slots = self.docs.alloc(req.reserve_tokens, high=True)
         if slots is None:
             self.docs.release(doc)
             return False
