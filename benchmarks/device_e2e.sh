@@ -116,6 +116,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step bench16k 200 python3 -m ppqa bench --model dummy:codellama-7b --doc-tokens 16384 \
         --questions 256 --max-new-tokens 128 --seeds 0 --streams 64 --modes stock,cascade,auto \
         --cuda-graphs --out "$OUT/bench16k.json" ;;
+    suffix)  # the cascade step's suffix attention (each request's own tokens) by tile
+      step suffix 150 python3 benchmarks/suffix_tiles.py --out "$OUT/suffix_tiles.json" ;;
     merge)  # the merge kernel's states per loop step at decode's shapes
       step merge 120 python3 benchmarks/merge_states.py --out "$OUT/merge_states.json" ;;
     gprof)  # GPU seconds by kernel kind in prefill and in decode, through the worker (its second

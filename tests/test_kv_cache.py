@@ -140,6 +140,13 @@ def test_deferred_table_writes_land_together_and_later_writes_win() -> None:
     assert table.table[2, :5].tolist() == [4, 5, 5, 5, 0]
     with pytest.raises(ValueError, match="row length 8"):
         table.write(2, 7, torch.tensor([1, 2]))
+    doc = torch.tensor([11, 12, 13])  # one document's slots into several rows, once
+    for row in (2, 3, 4):
+        table.write(row, 1, doc)
+        table.write(row, 4, torch.tensor([row * 10]))
+    assert table.table[2:5].tolist() == [[4, 11, 12, 13, 20, 0, 0, 0],
+                                        [0, 11, 12, 13, 30, 2, 0, 0],
+                                        [0, 11, 12, 13, 40, 0, 0, 0]]
 
 
 def test_document_cache_shares_refcounts_and_evicts_least_recently_used() -> None:

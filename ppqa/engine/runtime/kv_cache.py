@@ -168,7 +168,7 @@ class ReqToTokenTable:
         self._free_rows = list(range(max_requests + 1, 1, -1))
         self.scratch_row = self.SCRATCH_ROW
         self.deferred = torch.device(device).type == "cuda" if deferred is None else deferred
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (flat position, slots)
+        self._pending: list[tuple[int, int, torch.Tensor]] = []  # (row, start, slots)
         self._pending_ranges: dict[int, list[tuple[int, int]]] = {}
 
     @property
@@ -203,16 +203,36 @@ class ReqToTokenTable:
         if any(a < end and start < b for a, b in ranges):
             self._flush()  # a position written twice: the earlier write lands first
         self._pending_ranges.setdefault(row, []).append((start, end))
-        self._pending.append((row * self.max_row_len + start, slots))
+        self._pending.append((row, start, slots))
 
     def _flush(self) -> None:
-        """The waiting writes (no position twice) as one pinned copy and one scatter."""
+        """The waiting writes (no position twice) through one pinned copy: slots written to
+        several rows at one offset (a document's, into each of its requests' rows) once, each
+        such set as one scatter into its rows; the rest as one scatter by flat position."""
         pending, self._pending, self._pending_ranges = self._pending, [], {}
-        positions = torch.cat([torch.arange(at, at + s.numel(), dtype=torch.int64)
-                               for at, s in pending])
-        values = torch.cat([s.to(dtype=torch.int64) for _, s in pending])
-        staged = to_device(torch.stack([positions, values]), self._table.device)
-        self._table.view(-1).index_copy_(0, staged[0], staged[1].to(torch.int32))
+        shared: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}
+        for row, start, slots in pending:
+            shared.setdefault((id(slots), start), (slots, []))[1].append(row)
+        sets = [(start, slots, rows) for (_, start), (slots, rows) in shared.items()
+                if len(rows) > 1]
+        single = [(row * self.max_row_len + start, slots)
+                  for (_, start), (slots, rows) in shared.items() if len(rows) == 1
+                  for row in rows]
+        parts: list[torch.Tensor] = []
+        if single:
+            parts += [torch.cat([torch.arange(at, at + s.numel(), dtype=torch.int64)
+                                 for at, s in single]),
+                      torch.cat([s.to(dtype=torch.int64) for _, s in single])]
+        for _, slots, rows in sets:
+            parts += [slots.to(dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)]
+        staged = to_device(torch.cat(parts), self._table.device)
+        pieces = iter(staged.split([p.numel() for p in parts]))
+        if single:
+            positions, values = next(pieces), next(pieces)
+            self._table.view(-1).index_copy_(0, positions, values.to(torch.int32))
+        for start, slots, _ in sets:
+            values, rows = next(pieces), next(pieces)
+            self._table[rows, start:start + slots.numel()] = values.to(torch.int32)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
