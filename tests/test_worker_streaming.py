@@ -227,3 +227,45 @@ def test_a_document_waits_to_be_claimed_whole_rather_than_in_parts(sqlite_db, ad
     claims = [e[1] for e in sink.events if e[0] == "claimed"]
     assert claims == [tuple(first), tuple(second)]
     assert submits == [first, second]
+
+
+def test_a_job_claimed_while_another_decodes_is_tokenized_off_the_loop(sqlite_db, add_job,
+                                                                       engine, monkeypatch):
+    """A busy worker's claim is prepared (tokenized, checked) on its prepare thread and joins
+    the session at a later step; the answers are those of the same jobs run one at a time."""
+    import threading
+
+    from ppqa.engine.session import EngineSession
+
+    questions = ["How many bridges?", "When is the market?"]
+    add_job(sqlite_db, DOC, [f"Describe part {i} in detail." for i in range(3)],
+            max_new_tokens=40, mode="stock")
+    late: list[int] = []
+    prepared_on: list[tuple[str, bool]] = []
+    prepare = EngineSession.prepare
+
+    def recorded(self, requests):
+        prepared_on.append((threading.current_thread().name, self.has_work()))
+        return prepare(self, requests)
+
+    monkeypatch.setattr(EngineSession, "prepare", recorded)
+
+    def ingest_on_the_third(n: int) -> None:
+        if n == 3:
+            late.append(add_job(sqlite_db, OTHER, questions, max_new_tokens=4, mode="stock",
+                                name="late"))
+
+    _on_each_step(monkeypatch, engine, ingest_on_the_third)
+    worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01))
+    assert worker.run().count("done") == 2
+    assert [name.startswith("ppqa-prepare") for name, _ in prepared_on] == [True, True]
+    assert prepared_on[1][1]  # the late claim was prepared while the session had work
+    with sqlite_db.read() as conn:
+        got = dict(conn.execute(select(Question.text, Answer.text)
+                                .join(Answer, Answer.question_id == Question.id)
+                                .where(Question.job_id == late[0])).all())
+    from ppqa import SamplingParams
+
+    alone = engine.answer(OTHER, questions, sampling=SamplingParams(max_new_tokens=4),
+                          mode="stock")
+    assert got == {q: a.text for q, a in zip(questions, alone)}
