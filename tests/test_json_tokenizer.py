@@ -20,8 +20,6 @@ TEXTS = [
     "",
     "x" * 500,
 ]
-# A document's length: `encode` takes the batch call that runs without the GIL.
-TEXTS.append(" ".join(TEXTS[:3]) * 40)
 
 
 @pytest.fixture

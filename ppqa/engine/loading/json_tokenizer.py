@@ -26,9 +26,6 @@ _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
              (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
-# Characters from which `encode` tokenizes without the GIL (a document, not a question).
-_LONG_TEXT = 4096
-
 class JsonTokenizer(Tokenizer):
     """The tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json)."""
 
@@ -60,11 +57,6 @@ class JsonTokenizer(Tokenizer):
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        if len(text) >= _LONG_TEXT:
-            # The batch call tokenizes without holding the GIL (the single one holds it
-            # throughout): a document tokenized on the worker's prepare thread leaves the
-            # engine loop's thread free to run meanwhile.
-            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
