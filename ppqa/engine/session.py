@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -99,41 +98,17 @@ class EngineSession:
 
     # ---- feeding -----------------------------------------------------------------------------
 
-    # `prepare` may run on another thread while this session steps (the worker tokenizes a
-    # claimed document so, beside the step in flight); off where the ranks of a tensor-parallel
-    # session must prepare in lockstep (their seeds are drawn in submit order).
-    prepares_off_thread = True
-
-    def prepare(self, requests: Sequence[QuestionRequest]) -> Prepared:
-        """Tokenize and check questions (`prepare_groups`) without touching the session, for a
-        later `submit(requests, prepared=...)`; safe on another thread, one at a time."""
-        rejected: list[tuple[QuestionRequest, Exception]] = []
-        expected: list[tuple] = []
-        groups = prepare_groups(self.engine, requests,
-                                lambda req, error: rejected.append((req, error)),
-                                lambda *args: expected.append(args))
-        return Prepared(groups, rejected, expected)
-
     def submit(self, requests: Sequence[QuestionRequest], *, mode: str = "auto",
-               streams: int | str | None = None, prepared: Prepared | None = None) -> int:
+               streams: int | str | None = None) -> int:
         """Queue questions (any documents); returns how many were accepted. A question that
         cannot fit, or whose template or tokenization fails, goes to `on_error` (raised
-        without one) and the others go ahead. `prepared`: these requests' `prepare`, done
-        already."""
+        without one) and the others go ahead."""
         check_mode(mode)
         if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
             raise ValueError(f"streams must be None, 'auto' or an integer >= 1, got {streams!r}")
         engine = self.engine
         accepted = 0
-        if prepared is None:
-            groups = self._prepare(requests)
-        else:
-            for args in prepared.expected:
-                self._scores.expect(*args)
-            for req, error in prepared.rejected:
-                self._reject(req, error)
-            groups = prepared.groups
-        for doc_ids, group in groups:
+        for doc_ids, group in self._prepare(requests):
             scored = [s for s in group if s.choice_ids is not None]
             group = [s for s in group if s.choice_ids is None]
             if scored:
@@ -466,16 +441,6 @@ class EngineSession:
         stats.prompt_tokens += answer.prompt_tokens
         if self.on_answer is not None:
             self.on_answer(key, answer)
-
-
-@dataclass
-class Prepared:
-    """`EngineSession.prepare`'s result: the document groups' streams, and the rejections and
-    expected scorings that `submit` reports and books on the session's thread."""
-
-    groups: list[tuple[list[int], list[Stream]]]
-    rejected: list[tuple[QuestionRequest, Exception]]
-    expected: list[tuple]
 
 
 class _Timer:

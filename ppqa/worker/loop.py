@@ -31,8 +31,6 @@ from __future__ import annotations
 import queue as threadsafe
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -106,10 +104,6 @@ class Worker:
         self._session = None
         self._leases: LeaseKeeper | None = None
         self._next_claim = 0.0  # perf_counter time before which a worker with work skips claims
-        # Claimed jobs' requests being tokenized on `_prep` (one thread, in claim order) while
-        # the session steps: (future of `EngineSession.prepare`, requests, mode).
-        self._prep: ThreadPoolExecutor | None = None
-        self._preparing: deque[tuple[Future, list, str]] = deque()
         self._claim_on_settle = False  # the last claim was deferred (queue.Claims.deferred)
 
     def request_stop(self, reason: str = "stop requested") -> None:
@@ -131,14 +125,12 @@ class Worker:
         self.progress.started(self.options)
         self._leases = LeaseKeeper(self.db, self.options.worker_id, [], self.options.lease_seconds,
                                    on_lost=self._lost.put, on_problem=self.progress.message)
-        self._prep = ThreadPoolExecutor(1, thread_name_prefix="ppqa-prepare")
         try:
             with self._leases:
                 self._session = self._new_session()
                 while not self.stopping:
                     self._drop_lost()
                     claimed = self._claim_if_room()
-                    self._submit_prepared(wait=not self._session.has_work())
                     if self._session.has_work():
                         try:
                             self._session.step()
@@ -162,8 +154,6 @@ class Worker:
                     self._stop.wait(self.options.poll_seconds)
                 self._wind_down()
         finally:
-            self._prep.shutdown(wait=True, cancel_futures=True)
-            self._preparing.clear()
             self.summary.wall_seconds = time.perf_counter() - started
             self.summary.stopped_by = self.stop_reason
             self.progress.finished(self.summary)
@@ -261,47 +251,11 @@ class Worker:
             mode = self.options.mode if self.options.mode != "auto" else claim.params.mode
             by_mode.setdefault(mode, []).extend(requests)
         for mode, requests in by_mode.items():
-            if self._prep is not None and getattr(self._session, "prepares_off_thread", False):
-                # Tokenizing a long document and its questions takes tens of milliseconds (a
-                # 16k-token document with 256 questions ~100 ms, the GPU idle for most of it,
-                # results/h200/gprof_paper_auto_s22c4.json); on the prepare thread it overlaps
-                # the steps that run meanwhile.
-                future = self._prep.submit(self._session.prepare, requests)
-                self._preparing.append((future, requests, mode))
-            else:
-                self._submit(requests, mode, None)
-
-    def _submit_prepared(self, wait: bool) -> None:
-        """Hand the session the claims whose requests are prepared, in claim order; `wait`
-        (the session has nothing else to do): all of them, waiting for each."""
-        while self._preparing:
-            future, requests, mode = self._preparing[0]
-            if not wait and not future.done():
-                return
-            self._preparing.popleft()
             try:
-                prepared = future.result()
-            except Exception as exc:  # noqa: BLE001 - as a submit that raised
+                self._session.submit(requests, mode=mode, streams=self.options.streams)
+            except Exception as exc:  # noqa: BLE001 - e.g. an unknown mode stored by hand
                 for req in requests:
                     self._on_error(req, exc)
-                continue
-            self._submit(requests, mode, prepared)
-
-    def _submit(self, requests: list, mode: str, prepared) -> None:
-        """Requests to the session, but none of a job that is no longer running here (lost,
-        cancelled, or failed while its requests were prepared)."""
-        live = [r for r in requests
-                if (run := self._runs.get(r.key[0])) is not None and not run.lost]
-        if not live:
-            return
-        if len(live) < len(requests):
-            prepared = None  # prepared for requests that are gone: prepare the rest again
-        try:
-            self._session.submit(live, mode=mode, streams=self.options.streams,
-                                 prepared=prepared)
-        except Exception as exc:  # noqa: BLE001 - e.g. an unknown mode stored by hand
-            for req in live:
-                self._on_error(req, exc)
 
     def _drop_lost(self) -> None:
         """Jobs cancelled or taken over: out of the session at once; answers saved so far count,

@@ -117,12 +117,7 @@ class LeaderSession(EngineSession):
         self._lockstep: Lockstep = engine.parts.lockstep
         self._sid = self._lockstep.open_session(on_error is not None)
 
-    # Every rank draws its seeds as it prepares, so rank 0 prepares in submit order too.
-    prepares_off_thread = False
-
-    def submit(self, requests, *, mode: str = "auto", streams=None, prepared=None) -> int:
-        if prepared is not None:
-            raise ValueError("a lockstep session prepares its requests in submit")
+    def submit(self, requests, *, mode: str = "auto", streams=None) -> int:
         self._lockstep.post("submit", self._sid, list(requests), mode, streams)
         return super().submit(requests, mode=mode, streams=streams)
 
