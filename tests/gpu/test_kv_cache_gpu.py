@@ -26,10 +26,12 @@ def test_table_writes_and_scattered_copies_do_not_wait_for_the_device():
             busy = busy @ busy / 2048 ** 0.5
         table.write(2, 0, slots[:10])
         table.write(2, 10, slots[10:])
-        assert table.table.is_cuda  # the waiting writes land: one pinned copy, one scatter
+        for row in (3, 4):  # one document's slots into two rows: staged once, one write
+            table.write(row, 0, slots)
+        assert table.table.is_cuda  # the waiting writes land: one pinned copy, two scatters
         pool.copy_slots(dst, src)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert table.table[2, :20].cpu().tolist() == slots.tolist()
+    assert table.table[2:5, :20].cpu().tolist() == [slots.tolist()] * 3
     assert torch.equal(pool.kv[:, :, dst].cpu(), pool.kv[:, :, src].cpu())
     assert pool.slot_sid[dst].cpu().tolist() == [-1, -1, -1]
