@@ -40,6 +40,9 @@ def test_same_ids_and_texts_as_transformers(pair):
     specials = [fast.bos_token_id, *fast.eos_token_ids]
     mixed = ref.encode("a b") + specials + ref.encode(" c")
     assert fast.decode(mixed) == ref.decode(mixed)
+    # Together (a prompt's document and questions in one call), each as it is alone.
+    alone = [ref.encode(text) for text in TEXTS]
+    assert fast.encode_many(TEXTS) == alone and ref.encode_many(TEXTS) == alone
 
 
 def test_same_special_tokens_vocabulary_and_bounds(pair):

@@ -59,6 +59,9 @@ class JsonTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]
         return drop_cut_character(self._decode(ids), lambda: self._decode(ids[-1:]))

@@ -101,6 +101,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text (a backend that can encodes them together, in parallel)."""
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; an incomplete character at the end (an answer cut inside a
         multi-byte character) is left out rather than shown as U+FFFD."""
@@ -156,10 +160,12 @@ class Tokenizer:
             head, tail = self._chat_wrapper(prefix_text)
             prefix_text = head + prefix_text
             question_texts = [q + tail for q in question_texts]
-        prefix_ids = self.encode(prefix_text)
+        # One call for the document and every question: a batch-capable backend tokenizes
+        # them on all cores while this thread waits (a 16k-token document and 256 questions
+        # took 57-72 ms one by one on the CPU's thread, ~75% of a claim's host time).
+        prefix_ids, *suffix_ids = self.encode_many([prefix_text, *question_texts])
         if self.add_bos and self.bos_token_id is not None and prefix_ids[:1] != [self.bos_token_id]:
             prefix_ids.insert(0, self.bos_token_id)
-        suffix_ids = [self.encode(q) for q in question_texts]
         scored = None
         if any(c is not None for c in per_question):
             scored = [None if c is None else
@@ -216,6 +222,9 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(ids) for ids in self.hf(list(texts), add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
