@@ -376,3 +376,41 @@ def test_a_question_prefill_beside_decode_is_read_after_the_next_step_is_queued(
     assert set(got) == set(expected)
     for key, answer in expected.items():
         assert got[key].token_ids == answer.token_ids, key
+
+
+def test_documents_stay_one_run_through_a_long_session_of_a_full_pool(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """Many documents through one session whose KV pool holds about ten at a time: requests'
+    own slots come from the far end and a new document evicts for a run, so every document is
+    one run of slots (read at affine addresses; first fit alone gathered 7 of these 24), and
+    the answers stay stock's."""
+    from ppqa.engine.runtime.kv_cache import DocumentCache
+
+    starts: list[int] = []
+    insert = DocumentCache.insert
+
+    def recorded(self, token_ids, key=None):
+        doc = insert(self, token_ids, key)
+        if doc is not None:
+            starts.append(doc.start)
+        return doc
+
+    monkeypatch.setattr(DocumentCache, "insert", recorded)
+    rng = random.Random(7)
+    tmpl = plain_template(tmp_path)
+    eng = tiny_engine(kv_token_budget=4000, max_batch_requests=12)
+    requests = []
+    for d in range(24):
+        doc = text(rng, rng.randint(150, 450))
+        requests += _requests(rng, doc, rng.randint(1, 5), tmpl, f"d{d}")
+    got: dict = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    for k in range(0, len(requests), 4):  # questions arrive while others decode
+        session.submit(requests[k:k + 4], mode="cascade")
+        session.step()
+    session.drain()
+    session.close()
+    assert len(starts) >= 24 and all(s >= 0 for s in starts), starts
+    reference = _reference(tiny_engine(), requests)
+    assert {k: a.token_ids for k, a in got.items()} == \
+        {k: a.token_ids for k, a in reference.items()}

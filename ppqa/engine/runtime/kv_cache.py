@@ -83,6 +83,10 @@ class SlotAllocator:
         """The most free slots in one run."""
         return max((length for _, length in self._runs), default=0)
 
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free (start, length) runs, in slot order."""
+        return list(self._runs)
+
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
@@ -370,26 +374,50 @@ class DocumentCache:
 
     def alloc(self, n: int, *, high: bool = False) -> torch.Tensor | None:
         """n slots from the pool, evicting unused documents (least recently used first) if
-        needed; `high`: from the pool's far end (`SlotAllocator.alloc`)."""
-        if n > self.allocator.num_free and not self.evict(n - self.allocator.num_free):
-            return None
+        needed; `high`: from the pool's far end (`SlotAllocator.alloc`). A document (not
+        `high`) evicts for one run first where that takes at most 2n slots of documents
+        (`_evict_for_run`)."""
         if not high and n > self.allocator.longest_run():
             self._evict_for_run(n)
+        if n > self.allocator.num_free and not self.evict(n - self.allocator.num_free):
+            return None
         return self.allocator.alloc(n, high=high)
 
     def _evict_for_run(self, n: int) -> None:
-        """Unused documents, least recently used first, until n free slots lie in one run,
-        freeing at most 2n slots more: a document gathered from pieces is read slot by slot
-        in every step that attends to it (a slower kernel and a decode graph of its own),
-        where a run costs one more document prefill if an evicted one comes back."""
-        budget = 2 * n
-        unused = sorted((d for d in self._docs.values() if d.ref_count == 0),
-                        key=lambda d: d.last_used)
-        for doc in unused:
-            if self.allocator.longest_run() >= n or doc.length > budget:
-                return
-            budget -= doc.length
-            self.drop(doc)
+        """Unused documents next to each other and to free runs, together a run of n slots:
+        the window of them that evicts the fewest document slots (at most 2n; the least
+        recently used on a tie) is evicted, so that a new document of n tokens is one run.
+        A document gathered from pieces is read slot by slot in every step that attends to it
+        (a slower kernel and a decode graph of its own), where an eviction costs one more
+        prefill if the evicted document comes back. Nothing is evicted when no such window
+        exists."""
+        # Segments in slot order: free runs and unused documents' runs; anything else (a
+        # document in use, a request's slots) separates windows.
+        segments = [(start, length, None) for start, length in self.allocator.free_runs()]
+        segments += [(d.start, d.length, d) for d in self._docs.values()
+                     if d.ref_count == 0 and d.start >= 0]
+        segments.sort(key=lambda seg: seg[0])
+        best = None
+        for i in range(len(segments)):
+            total, cost, docs = 0, 0, []
+            for j in range(i, len(segments)):
+                start, length, doc = segments[j]
+                if j > i and start != segments[j - 1][0] + segments[j - 1][1]:
+                    break  # not adjacent: the window ends
+                total += length
+                if doc is not None:
+                    cost += length
+                    docs.append(doc)
+                if cost > 2 * n:
+                    break
+                if total >= n:
+                    key = (cost, max((d.last_used for d in docs), default=0))
+                    if best is None or key < best[0]:
+                        best = (key, list(docs))
+                    break
+        if best is not None:
+            for doc in best[1]:
+                self.drop(doc)
 
     def evict(self, n: int) -> bool:
         """Evict unused documents until at least n more slots are free; False if impossible."""
