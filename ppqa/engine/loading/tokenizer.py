@@ -161,8 +161,9 @@ class Tokenizer:
             prefix_text = head + prefix_text
             question_texts = [q + tail for q in question_texts]
         # One call for the document and every question: a batch-capable backend tokenizes
-        # them on all cores while this thread waits (a 16k-token document and 256 questions
-        # took 57-72 ms one by one on the CPU's thread, ~75% of a claim's host time).
+        # them on all cores while this thread waits. A claim's tokenizing runs on the engine
+        # loop's thread, and the GPU idled through most of it for a long document
+        # (results/h200/gprof_paper_auto_s22c4.json, `claim_if_room/submit`).
         prefix_ids, *suffix_ids = self.encode_many([prefix_text, *question_texts])
         if self.add_bos and self.bos_token_id is not None and prefix_ids[:1] != [self.bos_token_id]:
             prefix_ids.insert(0, self.bos_token_id)
