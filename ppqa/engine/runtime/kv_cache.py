@@ -388,7 +388,8 @@ class DocumentCache:
         the window of them that evicts the fewest document slots (at most 2n; the least
         recently used on a tie) is evicted, so that a new document of n tokens is one run.
         A document gathered from pieces is read slot by slot in every step that attends to it
-        (a slower kernel and a decode graph of its own), where an eviction costs one more
+        (a slower kernel and a decode graph of its own: results/h200/
+        gprof_labeling_auto_s22c2.json, `captured_keys`), where an eviction costs one more
         prefill if the evicted document comes back. Nothing is evicted when no such window
         exists."""
         # Segments in slot order: free runs and unused documents' runs; anything else (a
