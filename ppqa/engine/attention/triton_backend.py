@@ -33,8 +33,8 @@ import torch
 from ppqa.engine.attention.metadata import ForwardMetadata
 from ppqa.kernels.cascade import (
     group_size_bound, launch_shared_prefix, prefix_splits, shared_prefix_attention,
+    tiling as cascade_tiling,
 )
-from ppqa.kernels.cascade import tiling as cascade_tiling
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
 from ppqa.kernels.kv_store import store_kv

@@ -55,29 +55,26 @@ class SlotAllocator:
             return torch.empty(0, dtype=torch.int64)
         order = range(len(self._runs) - 1, -1, -1) if high else range(len(self._runs))
         for i in order:
-            start, length = self._runs[i]
-            if length >= n:
-                if high:
-                    self._runs[i:i + 1] = [(start, length - n)] if length > n else []
-                    start += length - n
-                else:
-                    self._runs[i:i + 1] = [(start + n, length - n)] if length > n else []
+            if self._runs[i][1] >= n:
                 self.num_free -= n
-                return torch.arange(start, start + n, dtype=torch.int64)
+                first = self._take(i, n, high)
+                return torch.arange(first, first + n, dtype=torch.int64)
         pieces, need = [], n
         while need:
             i = len(self._runs) - 1 if high else 0
-            start, length = self._runs[i]
-            take = min(length, need)
-            first = start + length - take if high else start
+            take = min(self._runs[i][1], need)
+            first = self._take(i, take, high)
             pieces.append(torch.arange(first, first + take, dtype=torch.int64))
-            if high:
-                self._runs[i:i + 1] = [(start, length - take)] if length > take else []
-            else:
-                self._runs[i:i + 1] = [(start + take, length - take)] if length > take else []
             need -= take
         self.num_free -= n
         return torch.cat(pieces)
+
+    def _take(self, i: int, n: int, high: bool) -> int:
+        """n slots off free run i, its last ones if `high` else its first; the first slot."""
+        start, length = self._runs[i]
+        rest = (start, length - n) if high else (start + n, length - n)
+        self._runs[i:i + 1] = [rest] if length > n else []
+        return start + length - n if high else start
 
     def longest_run(self) -> int:
         """The most free slots in one run."""
@@ -214,29 +211,28 @@ class ReqToTokenTable:
         several rows at one offset (a document's, into each of its requests' rows) once, each
         such set as one scatter into its rows; the rest as one scatter by flat position."""
         pending, self._pending, self._pending_ranges = self._pending, [], {}
-        shared: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}
+        by_source: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}
         for row, start, slots in pending:
-            shared.setdefault((id(slots), start), (slots, []))[1].append(row)
-        sets = [(start, slots, rows) for (_, start), (slots, rows) in shared.items()
-                if len(rows) > 1]
-        single = [(row * self.max_row_len + start, slots)
-                  for (_, start), (slots, rows) in shared.items() if len(rows) == 1
-                  for row in rows]
-        parts: list[torch.Tensor] = []
-        if single:
-            parts += [torch.cat([torch.arange(at, at + s.numel(), dtype=torch.int64)
-                                 for at, s in single]),
-                      torch.cat([s.to(dtype=torch.int64) for _, s in single])]
+            by_source.setdefault((id(slots), start), (slots, []))[1].append(row)
+        positions, values, sets = [], [], []
+        for (_, start), (slots, rows) in by_source.items():
+            if len(rows) > 1:
+                sets.append((start, slots, rows))
+            else:
+                at = rows[0] * self.max_row_len + start
+                positions.append(torch.arange(at, at + slots.numel(), dtype=torch.int64))
+                values.append(slots.to(dtype=torch.int64))
+        parts = [torch.cat(positions), torch.cat(values)] if positions else []
         for _, slots, rows in sets:
             parts += [slots.to(dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)]
         staged = to_device(torch.cat(parts), self._table.device)
         pieces = iter(staged.split([p.numel() for p in parts]))
-        if single:
-            positions, values = next(pieces), next(pieces)
-            self._table.view(-1).index_copy_(0, positions, values.to(torch.int32))
+        if positions:
+            flat, flat_values = next(pieces), next(pieces)
+            self._table.view(-1).index_copy_(0, flat, flat_values.to(torch.int32))
         for start, slots, _ in sets:
-            values, rows = next(pieces), next(pieces)
-            self._table[rows, start:start + slots.numel()] = values.to(torch.int32)
+            set_values, rows = next(pieces), next(pieces)
+            self._table[rows, start:start + slots.numel()] = set_values.to(torch.int32)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
