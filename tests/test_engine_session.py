@@ -349,10 +349,10 @@ def test_a_question_prefill_beside_decode_is_read_after_the_next_step_is_queued(
                                  for s in r.streams)))
         return launch(step, prev)
 
-    def logged_settle():
+    def logged_settle(wait=True):
         if session._unsettled:
             events.append(("read", frozenset()))
-        settle()
+        settle(wait)
 
     session._launch, session._settle_prefill = logged_launch, logged_settle
     session.submit(first, mode="stock")
@@ -414,3 +414,55 @@ def test_documents_stay_one_run_through_a_long_session_of_a_full_pool(tmp_path: 
     reference = _reference(tiny_engine(), requests)
     assert {k: a.token_ids for k, a in got.items()} == \
         {k: a.token_ids for k, a in reference.items()}
+
+
+def test_a_prefill_the_device_has_not_finished_is_read_in_a_later_iteration(
+        tmp_path: Path, monkeypatch) -> None:
+    """An iteration reads back only the prefill the device has finished (on a GPU, the rest
+    stays queued behind the decode step while the host goes on); its questions wait out of
+    the decode steps until a later iteration reads it. The CPU runs every launch at once, so
+    the device's answer is played here: each prefill reads as unfinished when first asked.
+    Tokens stay stock's (fp32)."""
+    from ppqa.engine import session as session_module
+
+    eng = tiny_engine("tiny-gqa", seed=4)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(12)
+    first = _requests(rng, text(rng, 90), 3, tmpl, "a", budget=10)
+    late = _requests(rng, text(rng, 60), 3, tmpl, "b", budget=5)
+    expected = _reference(eng, first + late)
+    asked: set[int] = set()
+
+    def finished_when_asked_again(timer) -> bool:
+        seen = id(timer) in asked
+        asked.add(id(timer))
+        return seen
+
+    monkeypatch.setattr(session_module._Timer, "done", finished_when_asked_again)
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(first, mode="stock")
+    for _ in range(3):
+        session.step()
+    assert session.sched.running
+    decoded: list[frozenset] = []
+    build = session.sched.decode_step
+
+    def logged(requests, **kw):
+        decoded.append(frozenset(s.key.key[0] for r in requests if r.row >= 0
+                                 for s in r.streams))
+        return build(requests, **kw)
+
+    session.sched.decode_step = logged
+    session.submit(late, mode="stock")
+    session.step()  # the late questions' prefill launched, not read: the step decodes "a"
+    assert session._unsettled and decoded[-1] == {"a"}
+    session.step()  # read now (finished when asked again), but after this step was built
+    assert not session._unsettled and decoded[-1] == {"a"}
+    session.step()
+    assert decoded[-1] == {"a", "b"}
+    session.drain()
+    session.close()
+    assert set(got) == set(expected)
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key

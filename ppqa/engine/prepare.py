@@ -1,8 +1,8 @@
 """From `QuestionRequest`s to the engine's streams and requests, before anything is queued.
 
     prepare_groups: questions grouped per (template, template text, document), each group's
-        prompt rendered and tokenized once (the document part shared, a suffix per question),
-        every question checked to fit (context, KV pool) and its sampling parameters and JSON
+        prompt rendered (`render_groups`) and tokenized once (the document part shared, a
+        suffix per question), every question checked to fit (context, KV pool) and its sampling parameters and JSON
         schema checked; a failure rejects that group or question alone. A generating question
         becomes one stream per sample; a question with choices one scoring stream, whatever
         its samples (they are drawn from its one scoring, engine/scoring.py).
@@ -10,20 +10,24 @@
     make_requests: the streams as scheduler requests: one per stream (stock, cascade), or
         packed P to a row (parallel), streams of one question sharing it in their row.
 
-`EngineSession.submit` (engine/session.py) calls these and queues the requests.
+`EngineSession.submit` (engine/session.py) calls these and queues the requests; with
+`background=True` it renders at once and tokenizes on a thread, finishing each group with
+`group_streams` when its tokens are ready.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ppqa.config import SamplingParams, sample_seed
 from ppqa.engine import scoring
 from ppqa.engine.outputs import InvalidRequestError, PromptTooLongError, QuestionRequest
+from ppqa.engine.loading.tokenizer import PromptTexts
 from ppqa.engine.runtime import cost_model
+from ppqa.engine.runtime.batching import pack_streams
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
-from ppqa.engine.runtime.batching import pack_streams
 
 
 def choose_plan(mode: str, streams: int | str | None, doc_tokens: int, group: Sequence[Stream],
@@ -55,69 +59,113 @@ def prepare_groups(engine, requests: Sequence[QuestionRequest],
                    reject: Callable[[QuestionRequest, Exception], None],
                    expect_scores: Callable) -> list[tuple[list[int], list[Stream]]]:
     """Tokenize per (template, document) and check every question fits; one group per
-    document. Any error of one group's inputs (its template, its text, a document too big
-    for any context) fails that group alone, as a permanent `InvalidRequestError` when it
-    is not a ValueError already; one question's sampling parameters fail that question
-    alone."""
+    document: `render_groups`, each group's texts tokenized, `group_streams`."""
+    jobs = []
+    for group in render_groups(engine, requests, reject):
+        try:
+            encoded = engine.tokenizer.encode_many(group.texts.all)
+        except Exception as error:  # noqa: BLE001 - bad input fails its own questions
+            group.reject_all(reject, error)
+            continue
+        job = group_streams(engine, group, encoded, reject, expect_scores)
+        if job is not None:
+            jobs.append(job)
+    return jobs
+
+
+@dataclass
+class RenderedGroup:
+    """The questions of one (template, document) group and their prompt's texts, rendered but
+    not yet tokenized."""
+
+    requests: list[QuestionRequest]
+    texts: PromptTexts
+
+    def reject_all(self, reject: Callable[[QuestionRequest, Exception], None],
+                   error: Exception) -> None:
+        for req in self.requests:
+            reject(req, _input_error(error))
+
+
+def render_groups(engine, requests: Sequence[QuestionRequest],
+                  reject: Callable[[QuestionRequest, Exception], None]) -> list[RenderedGroup]:
+    """The requests grouped per (template, template text, document), each group's prompt
+    rendered. Any error of a group's inputs (its template, a document too big for any
+    context) fails that group alone, as a permanent `InvalidRequestError` when it is not a
+    ValueError already."""
     groups: dict[tuple[str, str | None, str], list[QuestionRequest]] = {}
     for req in requests:
         groups.setdefault((req.template, req.template_source, req.document), []).append(req)
-    jobs = []
+    out = []
     for (template, source, document), reqs in groups.items():
         choices = ([r.choices for r in reqs] if any(r.choices is not None for r in reqs)
                    else None)
         try:
             _check_size(engine, document, reqs)
-            prompt = engine.tokenizer.prompt(template, document, [r.question for r in reqs],
-                                             template_source=source, choices=choices)
-            if engine.config.share_question_prefix:
-                prompt = prompt.with_common_opening()
+            texts = engine.tokenizer.prompt_texts(template, document, [r.question for r in reqs],
+                                                  template_source=source, choices=choices)
         except Exception as error:  # noqa: BLE001 - bad input fails its own questions
-            for req in reqs:
-                reject(req, _input_error(error))
+            RenderedGroup(reqs, None).reject_all(reject, error)
             continue
-        doc_ids, streams = list(prompt.prefix_ids), []
-        for q, (req, suffix) in enumerate(zip(reqs, prompt.suffix_ids)):
-            if req.choices is not None:
-                stream = scoring.question_stream(req, suffix, prompt.choices[q], len(doc_ids))
-                error = engine.fit_error(len(doc_ids), stream.reserve_tokens, 0)
-                if error is not None:
-                    reject(req, error)
-                    continue
-                # Only a question of several samples draws, so only it takes an engine seed
-                # (one answer is the best choice; other questions keep the seeds they had).
-                seed = req.sampling.seed or 0
-                if req.sampling.seed is None and req.samples > 1:
-                    seed = engine.next_seed()
-                expect_scores(req, prompt.choices[q], stream.prompt_tokens, seed)
-                streams.append(stream)
-                continue
-            error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
-            if error is None:
-                error = _sampling_error(req.sampling)
-            matcher = None
-            if error is None and req.sampling.json_schema is not None:
-                try:
-                    matcher = engine.grammars.matcher(req.sampling.json_schema)
-                except ValueError as exc:
-                    error = InvalidRequestError(str(exc))
+        out.append(RenderedGroup(reqs, texts))
+    return out
+
+
+def group_streams(engine, group: RenderedGroup, encoded: Sequence[list[int]],
+                  reject: Callable[[QuestionRequest, Exception], None],
+                  expect_scores: Callable) -> tuple[list[int], list[Stream]] | None:
+    """A rendered group's document ids and streams from its texts' encodings (`encode_many`
+    of `group.texts.all`), every question checked to fit (context, KV pool) and its sampling
+    parameters and JSON schema checked; a failure rejects the group or the question alone.
+    None when no stream is left."""
+    try:
+        prompt = engine.tokenizer.prompt_from(group.texts, encoded)
+        if engine.config.share_question_prefix:
+            prompt = prompt.with_common_opening()
+    except Exception as error:  # noqa: BLE001 - bad input fails its own questions
+        group.reject_all(reject, error)
+        return None
+    reqs = group.requests
+    doc_ids, streams = list(prompt.prefix_ids), []
+    for q, (req, suffix) in enumerate(zip(reqs, prompt.suffix_ids)):
+        if req.choices is not None:
+            stream = scoring.question_stream(req, suffix, prompt.choices[q], len(doc_ids))
+            error = engine.fit_error(len(doc_ids), stream.reserve_tokens, 0)
             if error is not None:
                 reject(req, error)
                 continue
-            seed = (req.sampling.seed if req.sampling.seed is not None
-                    else engine.next_seed())
-            # A question's samples are streams of their own, sharing the document in every
-            # mode and, in parallel, the question too (see `_requests`); each follows the
-            # JSON schema, if any, with a matcher of its own.
-            streams.extend(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
-                                  seed=sample_seed(seed, i), sample=i,
-                                  prompt_tokens=len(doc_ids) + len(suffix),
-                                  matcher=matcher if i == 0 or matcher is None
-                                  else engine.grammars.matcher(req.sampling.json_schema))
-                           for i in range(req.samples))
-        if streams:
-            jobs.append((doc_ids, streams))
-    return jobs
+            # Only a question of several samples draws, so only it takes an engine seed
+            # (one answer is the best choice; other questions keep the seeds they had).
+            seed = req.sampling.seed or 0
+            if req.sampling.seed is None and req.samples > 1:
+                seed = engine.next_seed()
+            expect_scores(req, prompt.choices[q], stream.prompt_tokens, seed)
+            streams.append(stream)
+            continue
+        error = engine.fit_error(len(doc_ids), len(suffix), req.sampling.max_new_tokens)
+        if error is None:
+            error = _sampling_error(req.sampling)
+        matcher = None
+        if error is None and req.sampling.json_schema is not None:
+            try:
+                matcher = engine.grammars.matcher(req.sampling.json_schema)
+            except ValueError as exc:
+                error = InvalidRequestError(str(exc))
+        if error is not None:
+            reject(req, error)
+            continue
+        seed = (req.sampling.seed if req.sampling.seed is not None
+                else engine.next_seed())
+        # A question's samples are streams of their own, sharing the document in every
+        # mode and, in parallel, the question too (see `_requests`); each follows the
+        # JSON schema, if any, with a matcher of its own.
+        streams.extend(Stream(key=req, suffix_ids=list(suffix), sampling=req.sampling,
+                              seed=sample_seed(seed, i), sample=i,
+                              prompt_tokens=len(doc_ids) + len(suffix),
+                              matcher=matcher if i == 0 or matcher is None
+                              else engine.grammars.matcher(req.sampling.json_schema))
+                       for i in range(req.samples))
+    return (doc_ids, streams) if streams else None
 
 
 def make_requests(engine, doc_ids: list[int], streams: list[Stream], mode: str,

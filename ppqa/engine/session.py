@@ -3,10 +3,13 @@
     submit(requests) -> prompts per (template, document) -> checks (context, pool) -> a mode per
         document group (auto: the cost model) -> requests of P streams (parallel) or one
         question each (stock, cascade) -> the scheduler's queue; questions with choices
-        become scoring requests (engine/scoring.py), which a prefill step answers whole
+        become scoring requests (engine/scoring.py), which a prefill step answers whole.
+        With background=True (the worker's claims) the prompts are rendered at once and
+        tokenized on a thread while steps run; the next `step` after their tokens are
+        ready takes them from there.
     step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
-              while others decode, so they keep producing tokens; launched, and waited for
-              only after the iteration's decode step is queued behind them)
+              while others decode, so they keep producing tokens; launched, and read once
+              the device has run them, after the iteration's decode step is queued)
            -> run: one decode step per kind of request (every width-1 request in one step,
               stock and cascade side by side; parallel requests per width)
            -> postprocess: the step in flight is read back, finished streams become answers
@@ -36,13 +39,16 @@ only a caller's `flush` is a call to repeat.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ppqa.engine import scoring
 from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
-from ppqa.engine.prepare import choose_plan, make_requests, prepare_groups
+from ppqa.engine.prepare import (RenderedGroup, choose_plan, group_streams, make_requests,
+                                 prepare_groups, render_groups)
 from ppqa.engine.runtime.grammar import fill_later
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
@@ -64,6 +70,9 @@ class EngineSession:
     # thread and samples just before the next forward (or read back) needs its tokens, so the
     # host builds the next step while the masks fill. Off where ranks sample in lockstep.
     defer_masks = True
+    # A prefill is read in the first iteration that finds it finished on the device, not
+    # waited for in the iteration that launched it. Off where ranks must agree on when.
+    read_prefill_when_done = True
 
     def __init__(self, engine, on_answer: AnswerCallback | None = None,
                  on_error: ErrorCallback | None = None) -> None:
@@ -81,11 +90,15 @@ class EngineSession:
         # prefill while it was in flight is charged once (to the prefill), not to both. (On a
         # GPU both are charged their device time, `_Launched.device_seconds` and `_Timer`.)
         self._last_read = 0.0
-        # Prefill launched and not yet waited for (`_settle_prefill`): with `overlap_steps`, a
-        # document chunk and a question prefill are waited for after the iteration's decode step
-        # is queued behind them, so the GPU has that step to run while the host reads them.
+        # Prefill launched and not yet read (`_settle_prefill`): with `overlap_steps`, a
+        # document chunk and a question prefill are read after the iteration's decode step is
+        # queued behind them, and only once the device has finished them (in this iteration or
+        # a later one), so the GPU has work queued while the host reads them and goes on.
         self._unsettled: list[_Prefilled] = []
         self._modes: set[str] = set()
+        # Background submits whose texts the tokenizer thread is encoding, in submit order.
+        self._tokenizing: deque[_Tokenizing] = deque()
+        self._tokenizer_thread: ThreadPoolExecutor | None = None
         self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
         tokenizer = engine.tokenizer
         self._eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
@@ -99,38 +112,84 @@ class EngineSession:
     # ---- feeding -----------------------------------------------------------------------------
 
     def submit(self, requests: Sequence[QuestionRequest], *, mode: str = "auto",
-               streams: int | str | None = None) -> int:
+               streams: int | str | None = None, background: bool = False) -> int:
         """Queue questions (any documents); returns how many were accepted. A question that
         cannot fit, or whose template or tokenization fails, goes to `on_error` (raised
-        without one) and the others go ahead."""
+        without one) and the others go ahead.
+
+        background: render the prompts now and tokenize them on the session's tokenizer
+        thread, so that a long document's tokenizing overlaps the steps the GPU runs; the
+        questions join the queue at a later `step` once their tokens are ready (the rejections
+        found then go to `on_error` too). Returns how many questions went to the thread. Where
+        the tokenizer would hold the GIL while it works, it tokenizes here as without."""
         check_mode(mode)
         if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
             raise ValueError(f"streams must be None, 'auto' or an integer >= 1, got {streams!r}")
-        engine = self.engine
-        accepted = 0
-        for doc_ids, group in self._prepare(requests):
-            scored = [s for s in group if s.choice_ids is not None]
-            group = [s for s in group if s.choice_ids is None]
-            if scored:
-                self._submit_scored(doc_ids, scored, scoring.scoring_mode(mode))
-                accepted += len(scored)
-            if not group:
-                continue
-            if mode == "auto" and self.sched.cascade_on(document_key(doc_ids)):
-                # Questions about a document that cascade already decodes join that group
-                # (the worker may claim one document's jobs over several claims).
-                chosen, width = "cascade", 1
-            else:
-                chosen, width = choose_plan(mode, streams, len(doc_ids), group,
-                                            engine.model_config, engine.device.type,
-                                            engine.dtype.itemsize, engine.config.default_streams)
-            self._modes.add(chosen)
-            self.stats.streams = max(self.stats.streams, width)
-            for req in self._requests(doc_ids, group, chosen, width):
-                self.sched.add(req)
-            accepted += len(group)
+        if background and self.engine.tokenizer.tokenizes_off_thread:
+            groups = render_groups(self.engine, requests, self._reject)
+            if groups:
+                texts = [t for g in groups for t in g.texts.all]
+                if self._tokenizer_thread is None:
+                    self._tokenizer_thread = ThreadPoolExecutor(
+                        1, thread_name_prefix="ppqa-tokenize")
+                future = self._tokenizer_thread.submit(self.engine.tokenizer.encode_many, texts)
+                self._tokenizing.append(_Tokenizing(groups, future, mode, streams))
+            return sum(len(g.requests) for g in groups)
+        self._collect_tokenized(wait_all=True)  # earlier background submits queue first
+        accepted = sum(self._queue_group(doc_ids, group, mode, streams)
+                       for doc_ids, group in self._prepare(requests))
         self.stats.mode = next(iter(self._modes)) if len(self._modes) == 1 else "mixed"
         return accepted
+
+    def _collect_tokenized(self, wait_all: bool = False, wait_first: bool = False) -> None:
+        """Queue the background submits whose tokens are ready, in submit order; wait_first:
+        wait for the oldest (there is nothing else to run), wait_all: for every one."""
+        collected = False
+        while self._tokenizing and (wait_all or (wait_first and not collected)
+                                    or self._tokenizing[0].future.done()):
+            work = self._tokenizing.popleft()
+            collected = True
+            try:
+                encoded = work.future.result()
+            except Exception as error:  # noqa: BLE001 - bad input fails its own questions
+                for group in work.groups:
+                    group.reject_all(self._reject, error)
+                continue
+            at = 0
+            for group in work.groups:
+                n = len(group.texts.all)
+                job = group_streams(self.engine, group, encoded[at:at + n], self._reject,
+                                    self._scores.expect)
+                at += n
+                if job is not None:
+                    self._queue_group(*job, work.mode, work.streams)
+        if self._modes:
+            self.stats.mode = next(iter(self._modes)) if len(self._modes) == 1 else "mixed"
+
+    def _queue_group(self, doc_ids: list[int], group: list[Stream], mode: str,
+                     streams: int | str | None) -> int:
+        """One document group's streams to the scheduler, in the mode chosen for them; returns
+        how many."""
+        engine = self.engine
+        scored = [s for s in group if s.choice_ids is not None]
+        group = [s for s in group if s.choice_ids is None]
+        if scored:
+            self._submit_scored(doc_ids, scored, scoring.scoring_mode(mode))
+        if not group:
+            return len(scored)
+        if mode == "auto" and self.sched.cascade_on(document_key(doc_ids)):
+            # Questions about a document that cascade already decodes join that group
+            # (the worker may claim one document's jobs over several claims).
+            chosen, width = "cascade", 1
+        else:
+            chosen, width = choose_plan(mode, streams, len(doc_ids), group,
+                                        engine.model_config, engine.device.type,
+                                        engine.dtype.itemsize, engine.config.default_streams)
+        self._modes.add(chosen)
+        self.stats.streams = max(self.stats.streams, width)
+        for req in self._requests(doc_ids, group, chosen, width):
+            self.sched.add(req)
+        return len(scored) + len(group)
 
     def _submit_scored(self, doc_ids: list[int], streams: list[Stream], mode: str) -> None:
         key = document_key(doc_ids)
@@ -142,6 +201,7 @@ class EngineSession:
     def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
         """Drop the questions that `doomed(request)` picks, queued or running: they get no
         answer, and their KV and rows are free for others at once. Returns how many."""
+        self._collect_tokenized(wait_all=True)
         dropped = len({id(s.key) for s in self.sched.cancel(doomed)})  # a question, not a choice
         self._scores.drop(doomed)
         self.stats.cancelled += dropped
@@ -149,8 +209,12 @@ class EngineSession:
 
     @property
     def queued_requests(self) -> int:
-        """Requests waiting for admission (not yet holding KV or a row)."""
-        return len(self.sched.waiting)
+        """Requests waiting for admission (not yet holding KV or a row), a question still
+        being tokenized counted as one."""
+        return len(self.sched.waiting) + self._tokenizing_questions()
+
+    def _tokenizing_questions(self) -> int:
+        return sum(len(g.requests) for work in self._tokenizing for g in work.groups)
 
     @property
     def active_requests(self) -> int:
@@ -160,11 +224,13 @@ class EngineSession:
     def open_questions(self) -> int:
         """Questions submitted and not yet answered, rejected or cancelled."""
         sched = self.sched
-        return len({id(st.key) for r in [*sched.waiting, *sched.prefilling, *sched.running]
-                    for st in r.streams if not st.cancelled and not st.is_finished})
+        return self._tokenizing_questions() + len(
+            {id(st.key) for r in [*sched.waiting, *sched.prefilling, *sched.running]
+             for st in r.streams if not st.cancelled and not st.is_finished})
 
     def has_work(self) -> bool:
-        return self.sched.has_work() or self._in_flight is not None or bool(self._unsettled)
+        return (self.sched.has_work() or self._in_flight is not None or bool(self._unsettled)
+                or bool(self._tokenizing))
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -172,6 +238,8 @@ class EngineSession:
         """One iteration: schedule (admit, prefill), run (decode), postprocess. False when
         there was nothing to do."""
         sched = self.sched
+        if self._tokenizing:  # questions tokenized meanwhile join; with nothing else, wait
+            self._collect_tokenized(wait_first=not sched.has_work())
         if not sched.has_work():
             self._flush()
             return False
@@ -204,6 +272,10 @@ class EngineSession:
         """Drop whatever is left (a stop or an error) and return the session's statistics."""
         self._in_flight = None
         self._unsettled.clear()
+        self._tokenizing.clear()
+        if self._tokenizer_thread is not None:
+            self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_thread = None
         self.sched.abort_all()
         if self._cuda:
             self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.engine.device)
@@ -231,9 +303,9 @@ class EngineSession:
 
     def _prefill(self, bounded: bool) -> None:
         """Document chunks, then the questions whose documents are ready; bounded: at most one
-        of each. Launched here and waited for in `_settle_prefill` (after the iteration's decode
-        step is queued, with `overlap_steps`; at once without), which charges their device time
-        to the streams that waited for them."""
+        of each. Launched here and read in `_settle_prefill` (once the device has run them,
+        after the iteration's decode step is queued, with `overlap_steps`; at once without),
+        which charges their device time to the streams that waited for them."""
         sched, stats = self.sched, self.stats
         while True:
             docs = sched.pending_documents()
@@ -273,13 +345,23 @@ class EngineSession:
             # be charged for it when read back.
             self._last_read = time.perf_counter()
 
-    def _settle_prefill(self) -> None:
+    def _settle_prefill(self, wait: bool = True) -> None:
         """Wait for the prefill launched so far, in order: charge each its device time (shared
         by its streams' weights), and read back the first tokens of question prefills (their
-        requests decode from the next step on; answers that end there are delivered)."""
+        requests decode from the next step on; answers that end there are delivered).
+        wait=False: only what the device has finished; the rest stays queued behind the
+        step in flight, and the host goes on to the next iteration's work meanwhile."""
         if not self._unsettled:
             return
-        unsettled, self._unsettled = self._unsettled, []
+        if wait:
+            unsettled, self._unsettled = self._unsettled, []
+        else:
+            done = 0
+            while done < len(self._unsettled) and self._unsettled[done].timer.done():
+                done += 1
+            if not done:
+                return
+            unsettled, self._unsettled = self._unsettled[:done], self._unsettled[done:]
         for work in unsettled:
             seconds = work.timer.seconds()
             self.stats.prefill_s += seconds
@@ -359,7 +441,10 @@ class EngineSession:
         if not batches:
             self._flush()
         waited = time.perf_counter()
-        self._settle_prefill()  # behind the step just queued: the GPU runs it meanwhile
+        # What the device has finished; the rest is read in a later iteration, so the host
+        # claims, admits and launches the next prefill while the device still has this
+        # iteration's prefill and decode step to run.
+        self._settle_prefill(wait=not self.read_prefill_when_done)
         self.stats.decode_s += waited - begin
 
     def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
@@ -443,6 +528,15 @@ class EngineSession:
             self.on_answer(key, answer)
 
 
+class _Tokenizing:
+    """A background submit: its rendered groups and the tokenizer thread's encoding of their
+    texts (`RenderedGroup.texts.all` of each, in order)."""
+
+    def __init__(self, groups: list[RenderedGroup], future: Future, mode: str,
+                 streams: int | str | None) -> None:
+        self.groups, self.future, self.mode, self.streams = groups, future, mode, streams
+
+
 class _Timer:
     """A prefill launch's device time: CUDA events around it (read once it has run), or on
     the CPU, where the launch runs synchronously, the host's."""
@@ -462,6 +556,10 @@ class _Timer:
         else:
             self._events[1].record()
         return self
+
+    def done(self) -> bool:
+        """Whether the launch has ended on the device (on the CPU: always)."""
+        return self._events is None or self._events[1].query()
 
     def seconds(self) -> float:
         """Waits for the launch to end on the device."""

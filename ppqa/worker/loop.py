@@ -252,7 +252,8 @@ class Worker:
             by_mode.setdefault(mode, []).extend(requests)
         for mode, requests in by_mode.items():
             try:
-                self._session.submit(requests, mode=mode, streams=self.options.streams)
+                self._session.submit(requests, mode=mode, streams=self.options.streams,
+                                     background=True)
             except Exception as exc:  # noqa: BLE001 - e.g. an unknown mode stored by hand
                 for req in requests:
                     self._on_error(req, exc)

@@ -29,6 +29,8 @@ _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
 class JsonTokenizer(Tokenizer):
     """The tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json)."""
 
+    tokenizes_off_thread = True  # `encode_batch` releases the GIL while it works
+
     def __init__(self, folder: str | Path) -> None:
         import tokenizers
 

@@ -90,6 +90,22 @@ class Prompt:
                       self.choices)
 
 
+@dataclass
+class PromptTexts:
+    """A prompt rendered but not yet tokenized (`Tokenizer.prompt_texts`). `all`: the texts
+    one `encode_many` call takes, the prefix (document) first, then each question's."""
+
+    template: Any
+    prefix: str
+    questions: list[str]
+    contexts: list[dict[str, Any]]
+    scored: bool  # some question has choices
+
+    @property
+    def all(self) -> list[str]:
+        return [self.prefix, *self.questions]
+
+
 class Tokenizer:
     """Base class: encode/decode plus prompt building from a template."""
 
@@ -97,6 +113,9 @@ class Tokenizer:
     bos_token_id: int | None
     add_bos: bool = False  # prepend BOS to the prompt prefix
     chat_template: str | None = None
+    # `encode_many` does its work outside Python (without the GIL), so another thread may run
+    # it while this one launches steps (`EngineSession.submit(background=True)`).
+    tokenizes_off_thread: bool = False
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -137,6 +156,19 @@ class Tokenizer:
         template's text); `template` is then only its name in messages. `choices`: per
         question, its labels or None; the prompt then carries each choice's tokens.
         """
+        texts = self.prompt_texts(template, document, questions, variables=variables,
+                                  template_source=template_source, choices=choices)
+        # One call for the document and every question: a batch-capable backend tokenizes
+        # them on all cores while this thread waits.
+        return self.prompt_from(texts, self.encode_many(texts.all))
+
+    def prompt_texts(self, template: str, document: str, questions: Sequence[str], *,
+                     variables: Mapping[str, Any] | None = None,
+                     template_source: str | None = None,
+                     choices: Sequence[Sequence[str] | None] | None = None) -> PromptTexts:
+        """`prompt`'s first half: the rendered texts, to be tokenized in one `encode_many`
+        call (`PromptTexts.all`; the engine session may run it on another thread) and
+        finished by `prompt_from`."""
         if isinstance(questions, str):
             raise TypeError("questions must be a sequence of strings, not one string")
         if not questions:
@@ -160,19 +192,21 @@ class Tokenizer:
             head, tail = self._chat_wrapper(prefix_text)
             prefix_text = head + prefix_text
             question_texts = [q + tail for q in question_texts]
-        # One call for the document and every question: a batch-capable backend tokenizes
-        # them on all cores while this thread waits. A claim's tokenizing runs on the engine
-        # loop's thread, and the GPU idled through most of it for a long document
-        # (results/h200/gprof_paper_auto_s22c4.json, `claim_if_room/submit`).
-        prefix_ids, *suffix_ids = self.encode_many([prefix_text, *question_texts])
+        return PromptTexts(tmpl, prefix_text, question_texts, contexts,
+                           any(c is not None for c in per_question))
+
+    def prompt_from(self, texts: PromptTexts, encoded: Sequence[list[int]]) -> Prompt:
+        """The `Prompt` of `texts` from `encode_many(texts.all)` (`prompt`'s second half)."""
+        prefix_ids, *suffix_ids = (list(ids) for ids in encoded)
+        if len(suffix_ids) != len(texts.questions):
+            raise ValueError(f"{len(encoded)} encodings for {len(texts.all)} texts")
         if self.add_bos and self.bos_token_id is not None and prefix_ids[:1] != [self.bos_token_id]:
             prefix_ids.insert(0, self.bos_token_id)
         scored = None
-        if any(c is not None for c in per_question):
-            scored = [None if c is None else
-                      self._choice_tokens(tmpl, ctx, text, ids)
-                      for c, ctx, text, ids in zip(per_question, contexts, question_texts,
-                                                   suffix_ids)]
+        if texts.scored:
+            scored = [None if ctx["choices"] is None else
+                      self._choice_tokens(texts.template, ctx, text, ids)
+                      for ctx, text, ids in zip(texts.contexts, texts.questions, suffix_ids)]
         return Prompt(prefix_ids, suffix_ids, scored)
 
     def _choice_tokens(self, tmpl, context: Mapping[str, Any], question_text: str,
@@ -212,6 +246,7 @@ class HFTokenizer(Tokenizer):
         eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
         self.eos_token_ids = sorted(set(eos) | {int(i) for i in extra_eos_ids})
         self.chat_template = getattr(hf_tokenizer, "chat_template", None) or None
+        self.tokenizes_off_thread = bool(getattr(hf_tokenizer, "is_fast", False))
         # Whether the tokenizer itself adds BOS to plain text (Llama 2 yes, SmolLM2/Qwen no).
         with_specials = hf_tokenizer.encode("a", add_special_tokens=True)
         self.add_bos = (self.bos_token_id is not None and with_specials[:1] == [self.bos_token_id]

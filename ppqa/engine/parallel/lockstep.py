@@ -117,7 +117,9 @@ class LeaderSession(EngineSession):
         self._lockstep: Lockstep = engine.parts.lockstep
         self._sid = self._lockstep.open_session(on_error is not None)
 
-    def submit(self, requests, *, mode: str = "auto", streams=None) -> int:
+    def submit(self, requests, *, mode: str = "auto", streams=None, background: bool = False
+               ) -> int:
+        # Tokenized at once: every rank queues the questions at the same step.
         self._lockstep.post("submit", self._sid, list(requests), mode, streams)
         return super().submit(requests, mode=mode, streams=streams)
 
@@ -142,6 +144,7 @@ class LeaderSession(EngineSession):
         return super().close()
 
     defer_masks = False  # every rank samples at the same point of the step
+    read_prefill_when_done = False  # and reads its prefill at the same iteration
 
     def _sample(self, logits, step, bitmask=FILL) -> torch.Tensor:
         return self._lockstep.share_tokens(super()._sample(logits, step, bitmask))
@@ -151,6 +154,7 @@ class FollowerSession(EngineSession):
     """Another rank's session: driven by `follower.follow`, sampling rank 0's tokens."""
 
     defer_masks = False
+    read_prefill_when_done = False
 
     def _sample(self, logits, step, bitmask=FILL) -> torch.Tensor:
         return self._parts.lockstep.share_tokens(super()._sample(logits, step, bitmask))

@@ -1,0 +1,109 @@
+"""Background submits (`EngineSession.submit(background=True)`, the worker's claims): the
+prompts are rendered at once and tokenized on the session's tokenizer thread while steps run.
+The questions give the same answers as when submitted at once (fp32), join in submit order,
+count as queued work before their tokens are ready, and can be cancelled or rejected alone."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from ppqa import Engine, EngineConfig, QuestionRequest, SamplingParams
+from tests.helpers import plain_template, text
+
+
+@pytest.fixture(scope="module")
+def bpe_engine():
+    """A tiny model with the `tokenizers`-library BPE tokenizer (it tokenizes off the GIL)."""
+    return Engine("dummy:tiny-gqa+bpe", device="cpu", config=EngineConfig(seed=5))
+
+
+def _requests(rng: random.Random, doc: str, count: int, tmpl: str, tag: str,
+              **sampling) -> list[QuestionRequest]:
+    return [QuestionRequest((tag, i), doc, text(rng, rng.randint(5, 40)),
+                            SamplingParams(max_new_tokens=rng.randint(1, 8), ignore_eos=True,
+                                           **sampling), tmpl)
+            for i in range(count)]
+
+
+def _drain(session) -> None:
+    while session.has_work():
+        session.step()
+
+
+def test_background_submits_tokenize_on_a_thread_and_answer_as_at_once(
+        bpe_engine, tmp_path: Path, monkeypatch) -> None:
+    assert bpe_engine.tokenizer.tokenizes_off_thread
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(11)
+    docs = [text(rng, n) for n in (900, 300, 1500)]
+    batches = [_requests(rng, doc, 5, tmpl, tag) for doc, tag in zip(docs, "abc")]
+    batches.append(_requests(rng, docs[0], 3, tmpl, "d"))  # a document already in the session
+
+    expected: dict = {}
+    at_once = bpe_engine.session(on_answer=lambda r, a: expected.__setitem__(r.key, a))
+    for batch in batches:
+        at_once.submit(batch, mode="auto")
+    _drain(at_once)
+    at_once.close()
+
+    threads = []
+    encode_many = bpe_engine.tokenizer.encode_many
+    monkeypatch.setattr(bpe_engine.tokenizer, "encode_many",
+                        lambda texts: threads.append(threading.get_ident()) or encode_many(texts))
+    got: dict = {}
+    session = bpe_engine.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    session.submit(batches[0], mode="auto", background=True)
+    assert session.has_work() and session.queued_requests == len(batches[0])
+    assert session.open_questions == len(batches[0])
+    for batch in batches[1:]:  # arriving while the first ones run
+        session.step()
+        session.submit(batch, mode="auto", background=True)
+    _drain(session)
+    session.close()
+    assert threads and threading.get_ident() not in threads
+    assert set(got) == set(expected)
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key
+
+
+def test_background_submits_queue_before_a_later_submit_at_once(bpe_engine, tmp_path: Path) -> None:
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(12)
+    first = _requests(rng, text(rng, 600), 4, tmpl, "first")
+    second = _requests(rng, text(rng, 400), 3, tmpl, "second")
+    session = bpe_engine.session()
+    session.submit(first, mode="stock", background=True)
+    session.submit(second, mode="stock")  # waits for the tokenizer thread, then queues
+    waiting = [s.key.key for r in session.sched.waiting for s in r.streams]
+    assert waiting == [r.key for r in first + second]
+    session.close()
+
+
+def test_background_rejections_and_cancels_reach_only_their_questions(
+        bpe_engine, tmp_path: Path) -> None:
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(13)
+    doc = text(rng, 700)
+    good = _requests(rng, doc, 4, tmpl, "good")
+    bad_seed = QuestionRequest(("bad", 0), doc, "what?",
+                               SamplingParams(max_new_tokens=3, seed=1 << 63), tmpl)
+    bad_template = QuestionRequest(("bad", 1), text(rng, 300), "why?",
+                                   SamplingParams(max_new_tokens=3), str(tmp_path / "none.jinja"))
+    doomed = _requests(rng, text(rng, 500), 3, tmpl, "doomed")
+    answers: dict = {}
+    errors: dict = {}
+    session = bpe_engine.session(on_answer=lambda r, a: answers.__setitem__(r.key, a),
+                                 on_error=lambda r, e: errors.__setitem__(r.key, e))
+    taken = session.submit([*good, bad_seed, bad_template], mode="auto", background=True)
+    assert taken == len(good) + 1 and set(errors) == {("bad", 1)}  # the template, at once
+    session.submit(doomed, mode="auto", background=True)
+    assert session.cancel(lambda r: r.key[0] == "doomed") == len(doomed)
+    _drain(session)
+    session.close()
+    assert set(errors) == {("bad", 0), ("bad", 1)}
+    assert isinstance(errors[("bad", 0)], ValueError)
+    assert set(answers) == {r.key for r in good}
