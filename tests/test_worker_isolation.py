@@ -182,16 +182,17 @@ def test_a_document_too_big_for_any_prompt_is_refused_before_tokenizing(engine, 
     context = engine.model_config.max_position_embeddings
     huge = "x" * (4 * engine.tokenizer.max_token_bytes * context + 1)
     tokenized = []
-    real_prompt = engine.tokenizer.prompt
-    monkeypatch.setattr(engine.tokenizer, "prompt",
-                        lambda template, document, *a, **k: tokenized.append(len(document))
-                        or real_prompt(template, document, *a, **k))
+    real_encode_many = engine.tokenizer.encode_many
+    monkeypatch.setattr(engine.tokenizer, "encode_many",
+                        lambda texts: tokenized.append(list(texts)) or real_encode_many(texts))
     errors, answers = [], []
     engine.run([QuestionRequest("huge", huge, "Q?", SamplingParams(max_new_tokens=2)),
                 QuestionRequest("ok", DOC, "Q?", SamplingParams(max_new_tokens=2))],
                on_answer=lambda r, a: answers.append(r.key),
                on_error=lambda r, e: errors.append((r.key, e)))
-    assert answers == ["ok"] and tokenized == [len(DOC)]  # the huge one was never tokenized
+    assert answers == ["ok"]
+    (texts,) = tokenized  # the huge one was never tokenized: one call, for the other document
+    assert DOC in texts[0] and all(len(t) < len(huge) for t in texts)
     (key, error), = errors
     assert key == "huge" and isinstance(error, PromptTooLongError)
     assert f"cannot fit the model's context of {context} tokens" in str(error)

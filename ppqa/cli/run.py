@@ -123,7 +123,8 @@ def run(
              "first job's speed report includes no first use of the GPU libraries.")] = "cold",
 ) -> None:
     from ppqa.engine import precompile  # no torch: helpers start before it loads
-    from ppqa.worker.loop import Worker, WorkerError, WorkerOptions
+    from ppqa.worker.loop import Worker, WorkerError
+    from ppqa.worker.options import WorkerOptions
     from ppqa.store.queue import has_claimable, waiting_questions
     from ppqa.worker.report import WorkerSummary
     from ppqa.worker.setup import (SetupError, check_device_flags, device_groups, load_engine,

@@ -99,7 +99,8 @@ def serve(
 
 def _worker(db, model: str, gpu, device, mode: str, max_jobs: int, lease_seconds: float,
             pool: dict):
-    from ppqa.worker.loop import Worker, WorkerOptions
+    from ppqa.worker.loop import Worker
+    from ppqa.worker.options import WorkerOptions
     from ppqa.worker.report import ProgressSink
     from ppqa.worker.setup import SetupError, load_engine, resolve_device
 

@@ -396,3 +396,13 @@ def has_claimable(db: Database, model: str | None = None) -> bool:
     with db.read() as conn:
         now = db.now(conn)
         return conn.execute(select(Job.id).where(_claimable(now, model)).limit(1)).first() is not None
+
+
+def newest_job_id(db: Database) -> int:
+    """The largest job id, 0 for an empty store. Ingest inserts jobs with growing ids and nothing
+    deletes them, so a larger one than a worker saw means a job was ingested since: a look far
+    cheaper than `claim_jobs`, which a worker then runs. It misses what keeps its id (a job
+    released, retried or whose lease expired) and, on PostgreSQL, a job committed after one with
+    a larger id: those wait for the worker's full poll."""
+    with db.read() as conn:
+        return int(conn.execute(select(func.coalesce(func.max(Job.id), 0))).scalar_one())

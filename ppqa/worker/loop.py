@@ -17,6 +17,8 @@ The loop, between engine steps (the step in flight runs on the GPU meanwhile):
   - jobs whose lease the heartbeat found lost (cancelled, or taken over) leave the session at
     once (`EngineSession.cancel`).
 So a job ingested while others decode starts at the next claim, not after the others end.
+Between full claims (every `poll_seconds` when none came) the worker, busy or idle, looks for a
+newer job id (`queue.newest_job_id`) every `ARRIVAL_PROBE_SECONDS` and claims at once if there is.
 
 The worker knows nothing of terminals: it tells a `ProgressSink` what happens (the CLI renders
 that with Rich or log lines) and returns a `WorkerSummary`. `request_stop()` (the CLI calls it
@@ -31,55 +33,31 @@ from __future__ import annotations
 import queue as threadsafe
 import threading
 import time
-from dataclasses import dataclass, field, replace
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ppqa.config import sample_seed
 from ppqa.store import queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
 from ppqa.store.queue import ClaimedJob
 from ppqa.worker.lease import LeaseKeeper
+from ppqa.worker.options import WorkerOptions
 from ppqa.worker.report import (JobOutcome, JobRun, ProgressSink, WorkerSummary, answer_row,
                                 job_report)
-from ppqa.worker.setup import default_worker_id
+from ppqa.worker.requests import ALL_SAMPLES, engine_requests, job_sampling
 
 # An engine that fails this many times in a row is broken, not unlucky: stop the worker rather
 # than burn through the queue failing every job. Each failure halves the in-flight limits first.
 MAX_ENGINE_CRASHES = 3
-# The sample of a request that answers every sample of its question (a question with choices).
-ALL_SAMPLES = -1
 # Jobs settled (each a write transaction with its report) between two engine steps while the
 # session has work: 16 jobs settling at once idled the GPU 80-96 ms at a time, about 5 ms a job
 # (results/h200/gprof_labeling_auto_s21c1.json, `long_idle_gaps`); the rest settle over the
 # next iterations, their answers already written.
 SETTLE_PER_ITERATION = 2
-
-
-@dataclass
-class WorkerOptions:
-    model: str = "smollm2"
-    device: str = "cpu"
-    mode: str = "auto"  # "auto": each job's own mode (auto there: the cost model per document)
-    streams: int | str | None = None  # P, "auto" (the cost model's P) or None (engine default)
-    max_jobs: int = 32  # jobs in flight at once (over one or more documents)
-    max_questions: int = 1024  # unanswered questions in flight (a job is always taken whole)
-    follow: bool = False  # keep waiting for new jobs instead of exiting when the queue is empty
-    lease_seconds: float = 60.0
-    max_attempts: int = 3
-    poll_seconds: float = 2.0  # how often a worker with room looks for new jobs when none came
-    worker_id: str = field(default_factory=default_worker_id)
-
-    def __post_init__(self) -> None:
-        if self.streams is not None and self.streams != "auto" and (
-                not isinstance(self.streams, int) or self.streams < 1):
-            raise ValueError(f"streams must be at least 1 or 'auto', got {self.streams!r}")
-        for name in ("max_jobs", "max_questions", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.lease_seconds > 0 or not self.poll_seconds > 0:
-            raise ValueError("lease_seconds and poll_seconds must be positive")
+# How often a worker between two full claims asks whether a job was ingested (one read of the
+# largest job id): a new job waits about this long, while the full claim, ~5 ms of SQL on the
+# engine loop's thread between two steps, stays at `poll_seconds`.
+ARRIVAL_PROBE_SECONDS = 0.2
 
 
 class WorkerError(RuntimeError):
@@ -105,6 +83,8 @@ class Worker:
         self._leases: LeaseKeeper | None = None
         self._next_claim = 0.0  # perf_counter time before which a worker with work skips claims
         self._claim_on_settle = False  # the last claim was deferred (queue.Claims.deferred)
+        self._seen_job_id = 0  # the newest job id before the last claim: a larger one is new
+        self._next_probe = 0.0  # perf_counter time of a busy worker's next look for a new job
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop admitting work; safe from a signal handler or another thread."""
@@ -151,7 +131,7 @@ class Worker:
                     if not self.options.follow:
                         break
                     self.progress.waiting()
-                    self._stop.wait(self.options.poll_seconds)
+                    self._wait_for_jobs()
                 self._wind_down()
         finally:
             self.summary.wall_seconds = time.perf_counter() - started
@@ -205,10 +185,20 @@ class Worker:
         claims one document per call: the claim's SQL and its questions' tokenization happen
         between two engine steps, while the step in flight runs, so each call's share stays
         within about one step's time rather than the whole room's (the GPU would idle
-        through the rest). An idle session takes all the room it has at once."""
-        busy = bool(self._runs)
-        if self.stopping or not self._has_room() or (busy and time.perf_counter() < self._next_claim):
+        through the rest); but a job ingested meanwhile is claimed once a look finds it
+        (`_job_arrived`, every ARRIVAL_PROBE_SECONDS). An idle session takes all the room it
+        has at once."""
+        busy, now = bool(self._runs), time.perf_counter()
+        if self.stopping or not self._has_room():
             return False
+        if busy and now < self._next_claim:  # before the full claim only for a new job
+            if now < self._next_probe:
+                return False
+            self._next_probe = now + ARRIVAL_PROBE_SECONDS
+            if not self._job_arrived():
+                return False
+        # Noted before the claim: a job ingested while it runs has a larger id than this.
+        self._seen_job_id = self._newest_job_id()
         opts, got_any = self.options, False
         while not self.stopping and self._has_room() and not (busy and got_any):
             outstanding = self._outstanding()
@@ -234,6 +224,27 @@ class Worker:
             got_any = True
         return got_any
 
+    def _newest_job_id(self) -> int:
+        """`queue.newest_job_id`; on a database blip the last one seen (nothing new): the
+        look is a hint, and the full claim reports a store that stays down."""
+        try:
+            return queue.newest_job_id(self.db)
+        except (SQLAlchemyError, StoreError):
+            return self._seen_job_id
+
+    def _job_arrived(self) -> bool:
+        """Whether a job was ingested since the last claim."""
+        return self._newest_job_id() > self._seen_job_id
+
+    def _wait_for_jobs(self) -> None:
+        """An idle worker's wait before its next full claim: `poll_seconds`, ended early by a
+        stop or a job ingested (looked for every ARRIVAL_PROBE_SECONDS). Jobs whose lease
+        expired, released or retried keep their ids: only the full claim finds those."""
+        deadline = time.perf_counter() + self.options.poll_seconds
+        while (left := deadline - time.perf_counter()) > 0:
+            if self._stop.wait(min(ARRIVAL_PROBE_SECONDS, left)) or self._job_arrived():
+                return
+
     def _start(self, claims: list[ClaimedJob]) -> None:
         """Hand claimed jobs to the session: the jobs of one mode in one submit, so that the
         questions of several jobs about one document form one group."""
@@ -243,7 +254,7 @@ class Worker:
             run = self._runs[claim.job_id] = JobRun(claim, started_at=time.perf_counter())
             self._leases.add([claim.job_id])
             try:
-                requests = _requests(claim, _sampling(claim))
+                requests = engine_requests(claim, job_sampling(claim))
             except Exception as exc:  # noqa: BLE001 - one job's bad parameters fail it alone
                 for wanted in list(run.pending):
                     run.reject(wanted, f"{type(exc).__name__}: {exc}", permanent=True)
@@ -367,37 +378,3 @@ class Worker:
         for run in list(self._runs.values()):
             self._settle(run, released_ok=True)
 
-
-def _requests(claim: ClaimedJob, sampling) -> list:
-    """The engine requests of a claimed job's missing answers. Each missing sample is a
-    question of its own, seeded as the engine seeds sample s of a question
-    (config.sample_seed), so a resumed job draws what it would have; but a question with
-    choices and several samples is one request for all of them, scored once and its samples
-    drawn from that scoring (those stored already are drawn again, the same, and dropped)."""
-    from ppqa.engine.outputs import QuestionRequest
-
-    common = {"document": claim.document_text, "template": claim.params.template,
-              "template_source": claim.template_source,
-              "choice_norm": claim.params.choice_norm}
-    out = []
-    for q in claim.questions:
-        if q.choices is not None and claim.params.samples > 1:
-            out.append(QuestionRequest(key=(claim.job_id, (q.id, ALL_SAMPLES)), question=q.text,
-                                       sampling=sampling, choices=q.choices,
-                                       samples=claim.params.samples, **common))
-            continue
-        out.extend(QuestionRequest(key=(claim.job_id, (q.id, s)), question=q.text,
-                                   sampling=replace(sampling, seed=sample_seed(sampling.seed, s)),
-                                   choices=q.choices, **common)
-                   for s in q.samples)
-    return out
-
-
-def _sampling(claim: ClaimedJob):
-    """A job's sampling parameters; raises if they cannot make any (a seed or budget out of
-    range, in a job queued before ingest checked them): that job then fails alone."""
-    from ppqa.config import SamplingParams
-
-    p = claim.params
-    return SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                          top_p=p.top_p, seed=p.seed, stop=p.stop, json_schema=p.json_schema)

@@ -1,0 +1,167 @@
+"""A job ingested between two full claims is claimed within a look for new job ids
+(`queue.newest_job_id`, every `loop.ARRIVAL_PROBE_SECONDS`), not at the next `poll_seconds`:
+by an idle following worker and by a busy one. The real engine on `dummy:tiny-mha` (CPU) and a
+real SQLite store; `poll_seconds` is a minute, so a worker that waited for its full claim fails
+the test (a bounded wait, never a hang). Order is read from the store and the worker's events."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+from ppqa.store import queue
+from ppqa.store.models import Job
+from ppqa.worker import loop
+from ppqa.worker.report import ProgressSink
+from tests.helpers import WORKER_MODEL, make_worker
+
+DOC = "The harbor of Velm opened in 1901. It has three piers and a red lighthouse."
+OTHER = "Orrin is a river town with two bridges and a market on Sundays."
+POLL_SECONDS = 60.0  # the full claim's period: far longer than any test here waits
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ppqa.engine.engine import Engine
+
+    return Engine(WORKER_MODEL, device="cpu")
+
+
+class _Events(ProgressSink):
+    """Records claims and settled jobs; signals the worker's first wait and each job settled."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.idle, self.any_settled = threading.Event(), threading.Event()
+
+    def claimed(self, claims) -> None:
+        self.events.append(("claimed", tuple(c.job_id for c in claims)))
+
+    def settled(self, outcome) -> None:
+        self.events.append(("settled", outcome.job_id, outcome.status))
+        self.any_settled.set()
+
+    def waiting(self) -> None:
+        self.idle.set()
+
+
+def _times(db, job_id: int):
+    with db.read() as conn:
+        return conn.execute(select(Job.status, Job.created_at, Job.started_at, Job.finished_at)
+                            .where(Job.id == job_id)).one()
+
+
+def test_newest_job_id_is_zero_when_empty_and_grows_with_each_ingest(any_db, add_job):
+    assert queue.newest_job_id(any_db) == 0
+    first = add_job(any_db, DOC, ["How many piers?"])
+    assert queue.newest_job_id(any_db) == first
+    second = add_job(any_db, OTHER, ["How many bridges?"])
+    assert queue.newest_job_id(any_db) == second > first
+    queue.claim_jobs(any_db, "w", 60)  # a claim changes jobs, not their ids
+    assert queue.newest_job_id(any_db) == second
+
+
+def test_an_idle_following_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engine):
+    sink = _Events()
+    worker = make_worker(sqlite_db, engine, sink, follow=True, poll_seconds=POLL_SECONDS)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert sink.idle.wait(30), "the worker never went idle"
+        job = add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2, mode="stock")
+        settled = sink.any_settled.wait(POLL_SECONDS / 2)
+    finally:
+        worker.request_stop()
+        thread.join(30)
+    assert not thread.is_alive() and not failure, failure
+    assert settled, "the new job waited for the full claim"
+    status, created, started, _ = _times(sqlite_db, job)
+    assert status == "done"
+    assert (started - created).total_seconds() < POLL_SECONDS / 2
+    assert [e for e in sink.events if e[0] == "claimed"] == [("claimed", (job,))]
+
+
+def _on_each_step(monkeypatch, engine, hook) -> None:
+    """Every session the worker makes calls `hook(n)` before its n-th step (from 1)."""
+    make_session = engine.session
+
+    def session(*args, **kwargs):
+        made = make_session(*args, **kwargs)
+        step, count = made.step, [0]
+
+        def counted():
+            count[0] += 1
+            hook(count[0])
+            return step()
+
+        made.step = counted
+        return made
+
+    monkeypatch.setattr(engine, "session", session)
+
+
+def _long_job(db, add_job) -> int:
+    return add_job(db, DOC, [f"Describe part {i} in detail." for i in range(3)],
+                   max_new_tokens=60, mode="stock")
+
+
+def test_a_busy_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engine, monkeypatch):
+    long_job = _long_job(sqlite_db, add_job)
+    late: list[int] = []
+
+    def ingest_then_a_slow_step(n: int) -> None:
+        if n == 5:  # the long job is decoding by now, the full claim a minute off
+            late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2,
+                                mode="stock"))
+        if n == 6:  # a step as long as a look's period: the next iteration looks
+            time.sleep(loop.ARRIVAL_PROBE_SECONDS * 1.5)
+
+    _on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
+    sink = _Events()
+    summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
+
+    assert summary.count("done") == 2 and len(late) == 1
+    # The late job was claimed while the long one decoded, not after it ended.
+    assert _times(sqlite_db, late[0]).started_at < _times(sqlite_db, long_job).finished_at
+    kinds = [e[:2] for e in sink.events]
+    assert kinds.index(("claimed", (late[0],))) < kinds.index(("settled", long_job))
+
+
+def test_a_store_that_cannot_answer_the_look_still_serves_jobs(sqlite_db, add_job, engine,
+                                                              monkeypatch):
+    """The look is a hint: a database error there, busy or idle, is nothing new, and the
+    full claims go on."""
+    def blip(db):
+        raise OperationalError("SELECT max(jobs.id)", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(queue, "newest_job_id", blip)
+    long_job = _long_job(sqlite_db, add_job)
+    late: list[int] = []
+
+    def ingest_then_a_slow_step(n: int) -> None:
+        if n == 5:
+            late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2))
+        if n == 6:
+            time.sleep(loop.ARRIVAL_PROBE_SECONDS * 1.5)
+
+    _on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
+    sink = _Events()
+    summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
+    assert summary.count("done") == 2 and len(late) == 1
+    # Nothing told the busy worker of the late job: it was claimed when the long one ended.
+    claims = [e[1] for e in sink.events if e[0] == "claimed"]
+    assert claims == [(long_job,), (late[0],)]
+    kinds = [e[:2] for e in sink.events]
+    assert kinds.index(("settled", long_job)) < kinds.index(("claimed", (late[0],)))
