@@ -107,3 +107,58 @@ def test_background_rejections_and_cancels_reach_only_their_questions(
     assert set(errors) == {("bad", 0), ("bad", 1)}
     assert isinstance(errors[("bad", 0)], ValueError)
     assert set(answers) == {r.key for r in good}
+
+
+def _step_log(session) -> list[frozenset]:
+    """The question keys of every decode step the session's scheduler builds, in order."""
+    log: list[frozenset] = []
+    build = session.sched.decode_step
+
+    def logged(requests, **kw):
+        log.append(frozenset(s.key.key for r in requests if r.row >= 0 for s in r.streams))
+        return build(requests, **kw)
+
+    session.sched.decode_step = logged
+    return log
+
+
+def test_background_questions_join_after_a_count_of_iterations_whatever_the_thread_takes(
+        bpe_engine, tmp_path: Path, monkeypatch) -> None:
+    """A busy session queues a background submit once `tokenize_ahead_iterations` steps have
+    run since it (at the start of the next), waiting for its tokens then if need be: how long the tokenizer thread takes changes no
+    step, so the same work in the same order decodes in the same batches (bf16 answers
+    depend on them)."""
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(14)
+    running = [QuestionRequest(r.key, r.document, r.question,
+                               SamplingParams(max_new_tokens=40, ignore_eos=True), r.template)
+               for r in _requests(rng, text(rng, 800), 4, tmpl, "run")]
+    late = _requests(rng, text(rng, 1200), 3, tmpl, "late")
+    encode_many = bpe_engine.tokenizer.encode_many
+
+    def run(delay: float) -> tuple[list[frozenset], int]:
+        import time
+
+        monkeypatch.setattr(bpe_engine.tokenizer, "encode_many",
+                            lambda texts: time.sleep(delay) or encode_many(texts))
+        session = bpe_engine.session()
+        log = _step_log(session)
+        session.submit(running, mode="stock")
+        session.step()
+        session.submit(late, mode="stock", background=True)
+        joined = None
+        for i in range(1, 8):
+            session.step()
+            keys = {s.key.key for r in (*session.sched.waiting, *session.sched.prefilling,
+                                        *session.sched.running) for s in r.streams}
+            if joined is None and any(k[0] == "late" for k in keys):
+                joined = i
+        _drain(session)
+        session.close()
+        return log, joined
+
+    quick, quick_joined = run(0.0)
+    slow, slow_joined = run(0.3)
+    ahead = bpe_engine.session().tokenize_ahead_iterations
+    assert quick_joined == slow_joined == ahead + 1
+    assert quick == slow

@@ -12,7 +12,7 @@
 
 `EngineSession.submit` (engine/session.py) calls these and queues the requests; with
 `background=True` it renders at once and tokenizes on a thread, finishing each group with
-`group_streams` when its tokens are ready.
+`group_streams` a few steps later.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@
         question each (stock, cascade) -> the scheduler's queue; questions with choices
         become scoring requests (engine/scoring.py), which a prefill step answers whole.
         With background=True (the worker's claims) the prompts are rendered at once and
-        tokenized on a thread while steps run; the next `step` after their tokens are
-        ready takes them from there.
+        tokenized on a thread while steps run; the step after `tokenize_ahead_iterations`
+        more takes them from there.
     step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
-              while others decode, so they keep producing tokens; launched, and read once
-              the device has run them, after the iteration's decode step is queued)
+              while others decode, so they keep producing tokens; launched, and read at the
+              end of the next iteration, after its decode step is queued)
            -> run: one decode step per kind of request (every width-1 request in one step,
               stock and cascade side by side; parallel requests per width)
            -> postprocess: the step in flight is read back, finished streams become answers
@@ -70,9 +70,13 @@ class EngineSession:
     # thread and samples just before the next forward (or read back) needs its tokens, so the
     # host builds the next step while the masks fill. Off where ranks sample in lockstep.
     defer_masks = True
-    # A prefill is read in the first iteration that finds it finished on the device, not
-    # waited for in the iteration that launched it. Off where ranks must agree on when.
-    read_prefill_when_done = True
+    # A background submit's questions join the queue once this many iterations have run
+    # since it (sooner when nothing else runs): a count, not "when its tokens are ready", so
+    # that the same work in the same order makes the same steps (bf16 answers depend on batch
+    # composition). A `paper` claim's 16k-token document took 62-75 ms to tokenize, about
+    # four of its iterations (results/h200/gprof_paper_auto_s23c1.json,
+    # `claim_if_room/submit`).
+    tokenize_ahead_iterations = 4
 
     def __init__(self, engine, on_answer: AnswerCallback | None = None,
                  on_error: ErrorCallback | None = None) -> None:
@@ -91,10 +95,10 @@ class EngineSession:
         # GPU both are charged their device time, `_Launched.device_seconds` and `_Timer`.)
         self._last_read = 0.0
         # Prefill launched and not yet read (`_settle_prefill`): with `overlap_steps`, a
-        # document chunk and a question prefill are read after the iteration's decode step is
-        # queued behind them, and only once the device has finished them (in this iteration or
-        # a later one), so the GPU has work queued while the host reads them and goes on.
+        # document chunk and a question prefill are read at the end of the next iteration,
+        # after its decode step is queued, so the GPU has work queued while the host goes on.
         self._unsettled: list[_Prefilled] = []
+        self._iteration = 0  # `step` calls that ran work: when a launch or a submit happened
         self._modes: set[str] = set()
         # Background submits whose texts the tokenizer thread is encoding, in submit order.
         self._tokenizing: deque[_Tokenizing] = deque()
@@ -119,8 +123,8 @@ class EngineSession:
 
         background: render the prompts now and tokenize them on the session's tokenizer
         thread, so that a long document's tokenizing overlaps the steps the GPU runs; the
-        questions join the queue at a later `step` once their tokens are ready (the rejections
-        found then go to `on_error` too). Returns how many questions went to the thread. Where
+        questions join the queue once `tokenize_ahead_iterations` steps have run, or at once
+        when nothing else runs (the rejections found then go to `on_error` too). Returns how many questions went to the thread. Where
         the tokenizer would hold the GIL while it works, it tokenizes here as without."""
         check_mode(mode)
         if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
@@ -133,7 +137,8 @@ class EngineSession:
                     self._tokenizer_thread = ThreadPoolExecutor(
                         1, thread_name_prefix="ppqa-tokenize")
                 future = self._tokenizer_thread.submit(self.engine.tokenizer.encode_many, texts)
-                self._tokenizing.append(_Tokenizing(groups, future, mode, streams))
+                self._tokenizing.append(_Tokenizing(groups, future, mode, streams,
+                                                    self._iteration))
             return sum(len(g.requests) for g in groups)
         self._collect_tokenized(wait_all=True)  # earlier background submits queue first
         accepted = sum(self._queue_group(doc_ids, group, mode, streams)
@@ -142,11 +147,13 @@ class EngineSession:
         return accepted
 
     def _collect_tokenized(self, wait_all: bool = False, wait_first: bool = False) -> None:
-        """Queue the background submits whose tokens are ready, in submit order; wait_first:
-        wait for the oldest (there is nothing else to run), wait_all: for every one."""
+        """Queue the background submits made `tokenize_ahead_iterations` or more iterations
+        ago, in submit order, waiting for their tokens if need be; wait_first: the oldest
+        whatever its age (there is nothing else to run), wait_all: every one."""
         collected = False
+        due = self._iteration - self.tokenize_ahead_iterations
         while self._tokenizing and (wait_all or (wait_first and not collected)
-                                    or self._tokenizing[0].future.done()):
+                                    or self._tokenizing[0].iteration <= due):
             work = self._tokenizing.popleft()
             collected = True
             try:
@@ -238,11 +245,12 @@ class EngineSession:
         """One iteration: schedule (admit, prefill), run (decode), postprocess. False when
         there was nothing to do."""
         sched = self.sched
-        if self._tokenizing:  # questions tokenized meanwhile join; with nothing else, wait
+        if self._tokenizing:  # background submits that are due join; with nothing else, wait
             self._collect_tokenized(wait_first=not sched.has_work())
         if not sched.has_work():
             self._flush()
             return False
+        self._iteration += 1
         if sched.should_admit():
             sched.admit()
         # While others decode, one document chunk and one question prefill an iteration.
@@ -303,8 +311,8 @@ class EngineSession:
 
     def _prefill(self, bounded: bool) -> None:
         """Document chunks, then the questions whose documents are ready; bounded: at most one
-        of each. Launched here and read in `_settle_prefill` (once the device has run them,
-        after the iteration's decode step is queued, with `overlap_steps`; at once without),
+        of each. Launched here and read in `_settle_prefill` (at the end of the next
+        iteration, after its decode step is queued, with `overlap_steps`; at once without),
         which charges their device time to the streams that waited for them."""
         sched, stats = self.sched, self.stats
         while True:
@@ -339,29 +347,30 @@ class EngineSession:
             self._settle_prefill()
 
     def _launched_prefill(self, work: _Prefilled) -> None:
+        work.iteration = self._iteration
         self._unsettled.append(work)
         if not self._cuda:
             # The CPU ran it in the launch: the step in flight, computed before it, must not
             # be charged for it when read back.
             self._last_read = time.perf_counter()
 
-    def _settle_prefill(self, wait: bool = True) -> None:
+    def _settle_prefill(self, earlier_only: bool = False) -> None:
         """Wait for the prefill launched so far, in order: charge each its device time (shared
         by its streams' weights), and read back the first tokens of question prefills (their
         requests decode from the next step on; answers that end there are delivered).
-        wait=False: only what the device has finished; the rest stays queued behind the
-        step in flight, and the host goes on to the next iteration's work meanwhile."""
+        earlier_only: only what earlier iterations launched (the device has run it: the
+        decode step read back since was queued behind it); this iteration's stays queued
+        behind its decode step, and the host goes on to the next iteration meanwhile."""
         if not self._unsettled:
             return
-        if wait:
-            unsettled, self._unsettled = self._unsettled, []
-        else:
+        if earlier_only:
             done = 0
-            while done < len(self._unsettled) and self._unsettled[done].timer.done():
+            while (done < len(self._unsettled)
+                   and self._unsettled[done].iteration < self._iteration):
                 done += 1
-            if not done:
-                return
             unsettled, self._unsettled = self._unsettled[:done], self._unsettled[done:]
+        else:
+            unsettled, self._unsettled = self._unsettled, []
         for work in unsettled:
             seconds = work.timer.seconds()
             self.stats.prefill_s += seconds
@@ -441,10 +450,10 @@ class EngineSession:
         if not batches:
             self._flush()
         waited = time.perf_counter()
-        # What the device has finished; the rest is read in a later iteration, so the host
-        # claims, admits and launches the next prefill while the device still has this
-        # iteration's prefill and decode step to run.
-        self._settle_prefill(wait=not self.read_prefill_when_done)
+        # Earlier iterations' prefill; this one's is read in the next, so the host claims,
+        # admits and launches the next prefill while the device still has this iteration's
+        # prefill and decode step to run.
+        self._settle_prefill(earlier_only=True)
         self.stats.decode_s += waited - begin
 
     def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
@@ -533,8 +542,9 @@ class _Tokenizing:
     texts (`RenderedGroup.texts.all` of each, in order)."""
 
     def __init__(self, groups: list[RenderedGroup], future: Future, mode: str,
-                 streams: int | str | None) -> None:
+                 streams: int | str | None, iteration: int) -> None:
         self.groups, self.future, self.mode, self.streams = groups, future, mode, streams
+        self.iteration = iteration  # the session's iteration when it was submitted
 
 
 class _Timer:
@@ -557,10 +567,6 @@ class _Timer:
             self._events[1].record()
         return self
 
-    def done(self) -> bool:
-        """Whether the launch has ended on the device (on the CPU: always)."""
-        return self._events is None or self._events[1].query()
-
     def seconds(self) -> float:
         """Waits for the launch to end on the device."""
         if self._events is not None:
@@ -577,6 +583,7 @@ class _Prefilled:
     def __init__(self, timer: _Timer, streams: list[tuple[Stream, float]],
                  launched: _Launched | None = None) -> None:
         self.timer, self.streams, self.launched = timer, streams, launched
+        self.iteration = 0  # the session's iteration that launched it
 
 
 def _charge(streams: list[Stream], field: str, seconds: float) -> None:

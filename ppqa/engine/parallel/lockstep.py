@@ -144,7 +144,6 @@ class LeaderSession(EngineSession):
         return super().close()
 
     defer_masks = False  # every rank samples at the same point of the step
-    read_prefill_when_done = False  # and reads its prefill at the same iteration
 
     def _sample(self, logits, step, bitmask=FILL) -> torch.Tensor:
         return self._lockstep.share_tokens(super()._sample(logits, step, bitmask))
@@ -154,7 +153,6 @@ class FollowerSession(EngineSession):
     """Another rank's session: driven by `follower.follow`, sampling rank 0's tokens."""
 
     defer_masks = False
-    read_prefill_when_done = False
 
     def _sample(self, logits, step, bitmask=FILL) -> torch.Tensor:
         return self._parts.lockstep.share_tokens(super()._sample(logits, step, bitmask))
