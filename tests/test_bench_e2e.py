@@ -157,6 +157,9 @@ def test_tiny_e2e_runs_through_the_cli_with_identical_answers(tmp_path):
     par = bench["summary"]["parallel"]
     assert par["answers_match_stock"] == par["answers_compared"] == 24  # greedy fp32: identical
     assert par["speedup_process"] > 0 and par["speedup_run"] > 0
+    floor = bench["workload"]["floor"]  # bench/floor.py, on the workload's own prompts
+    assert 0 < floor["prefill_s"] and 0 < floor["decode_s"]
+    assert par["run_over_floor"] == pytest.approx(par["run_s"] / floor["total_s"])
     assert "| tiny | tiny-gqa | parallel |" in result.stdout
     again = CliRunner().invoke(app, ["bench", "--from", str(out)])
     assert again.exit_code == 0 and "| tiny | tiny-gqa | stock |" in again.stdout

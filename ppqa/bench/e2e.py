@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ppqa.bench import e2e_report
+from ppqa.bench.floor import floor_seconds, workload_documents
 from ppqa.bench.workloads import Jobs, describe, get_workload, make_jobs, write_batch
 
 E2E_MODES = ("stock", "auto", "cascade", "parallel")
@@ -221,13 +222,17 @@ def _compare(runs: list[dict], answers: dict[str, dict]) -> None:
 def bench_workload(name: str, opts: E2EOptions, folder: Path, log: Callable[[str], None],
                    on_run: Callable[[dict], None] = lambda payload: None) -> dict:
     """Every mode and pass of one workload; returns its part of the results JSON."""
+    from ppqa.config import EngineConfig
     from ppqa.engine.loading.loader import load_model
 
     workload = get_workload(name)
     model = opts.model or workload.model
-    tokenizer = load_model(model).tokenizer  # weights stay unread (LazyWeights)
+    loaded = load_model(model)  # weights stay unread (LazyWeights)
+    tokenizer = loaded.tokenizer
     jobs = make_jobs(workload, tokenizer, opts.max_docs)
     info = describe(workload, jobs, tokenizer)
+    info["floor"] = floor_seconds(loaded.config, workload_documents(jobs, tokenizer),
+                                  max_batch=EngineConfig().max_batch_requests)
     log(f"e2e {name}: {info['documents']} documents, {info['jobs']} jobs, {info['questions']} "
         f"questions on {model}")
     batch = write_batch(jobs, folder)
@@ -251,7 +256,8 @@ def bench_workload(name: str, opts: E2EOptions, folder: Path, log: Callable[[str
             payload["runs"].append(run)
             on_run(payload)
         _compare(pass_runs, answers)
-        payload["summary"] = e2e_report.summarize(payload["runs"], opts.modes)
+        payload["summary"] = e2e_report.summarize(payload["runs"], opts.modes,
+                                                  info["floor"]["total_s"])
         on_run(payload)
     return payload
 

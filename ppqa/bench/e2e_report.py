@@ -108,10 +108,11 @@ MEAN_FIELDS = ("process_s", "run_s", "startup_s", "prefill_s", "decode_s", "work
                "throughput_answers_per_s", "setup_s", "ingest_s", "export_s", "answer_tokens")
 
 
-def summarize(runs: list[dict], modes: list[str]) -> dict:
+def summarize(runs: list[dict], modes: list[str], floor_s: float | None = None) -> dict:
     """Per mode: the mean of MEAN_FIELDS over its good runs, speedups over stock (geometric mean
-    over passes of stock/mode; for arrivals also p50 latency and throughput), and how many of
-    its answers equal stock's in the same pass."""
+    over passes of stock/mode; for arrivals also p50 latency and throughput), how many of its
+    answers equal stock's in the same pass, and its mean run over the workload's floor
+    (bench/floor.py), where given."""
     good = [r for r in runs if not r.get("error")]
     by_pass = {(r["pass"], r["mode"]): r for r in good}
     out: dict[str, dict] = {}
@@ -132,6 +133,8 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
         compared = [r for r in mine if r.get("answers_compared")]
         row["answers_match_stock"] = sum(r["answers_match_stock"] for r in compared)
         row["answers_compared"] = sum(r["answers_compared"] for r in compared)
+        row["run_over_floor"] = (row["run_s"] / floor_s
+                                 if floor_s and row.get("run_s") is not None else None)
         out[mode] = row
     return out
 
@@ -151,7 +154,8 @@ def merge(results: list[dict]) -> list[dict]:
             into["modes"] += [m for m in w["modes"] if m not in into["modes"]]
     for w in merged.values():
         w["modes"].sort(key=lambda m: m != "stock")  # the baseline's row first
-        w["summary"] = summarize(w["runs"], w["modes"])
+        w["summary"] = summarize(w["runs"], w["modes"],
+                                 w["workload"].get("floor", {}).get("total_s"))
     return list(merged.values())
 
 
@@ -164,7 +168,7 @@ def markdown_table(workloads: list[dict]) -> str:
     answers/s is over the process wall, or for arrivals over first ingest to last answer."""
     arrivals = any(w["workload"].get("arrivals") for w in workloads)
     head = ("| workload | model | mode | process s | run s | start-up s | prefill s | decode s "
-            "| worker s | answers/s | peak GiB | x process | x run |")
+            "| worker s | answers/s | peak GiB | x process | x run | run / floor |")
     if arrivals:
         head += " p50 s | p95 s | x p50 |"
     head += " same answers |"
@@ -178,7 +182,8 @@ def markdown_table(workloads: list[dict]) -> str:
                      _cell(s["throughput_answers_per_s" if w["workload"].get("arrivals")
                              else "answers_per_s"], 1), _cell(s["peak_memory_gib"], 1),
                      "1" if base else _cell(s["speedup_process"], 2, "x"),
-                     "1" if base else _cell(s["speedup_run"], 2, "x")]
+                     "1" if base else _cell(s["speedup_run"], 2, "x"),
+                     _cell(s.get("run_over_floor"), 2, "x")]
             if arrivals:
                 cells += [_cell(s["latency_p50_s"], 1), _cell(s["latency_p95_s"], 1),
                           "1" if base else _cell(s["speedup_latency_p50"], 2, "x")]
