@@ -186,3 +186,22 @@ def pending_document(eng, doc_ids: list[int], mode: str = "cascade"):
         session.sched.add(req)
     session.sched.admit()
     return session, session.sched.pending_documents()[0]
+
+
+def on_each_step(monkeypatch, engine, hook) -> None:
+    """Every session the worker makes calls `hook(n)` before its n-th step (from 1)."""
+    make_session = engine.session
+
+    def session(*args, **kwargs):
+        made = make_session(*args, **kwargs)
+        step, count = made.step, [0]
+
+        def counted():
+            count[0] += 1
+            hook(count[0])
+            return step()
+
+        made.step = counted
+        return made
+
+    monkeypatch.setattr(engine, "session", session)

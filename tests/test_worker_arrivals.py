@@ -17,7 +17,7 @@ from ppqa.store import queue
 from ppqa.store.models import Job
 from ppqa.worker import loop
 from ppqa.worker.report import ProgressSink
-from tests.helpers import WORKER_MODEL, make_worker
+from tests.helpers import WORKER_MODEL, make_worker, on_each_step
 
 DOC = "The harbor of Velm opened in 1901. It has three piers and a red lighthouse."
 OTHER = "Orrin is a river town with two bridges and a market on Sundays."
@@ -93,25 +93,6 @@ def test_an_idle_following_worker_claims_a_new_job_before_its_poll(sqlite_db, ad
     assert [e for e in sink.events if e[0] == "claimed"] == [("claimed", (job,))]
 
 
-def _on_each_step(monkeypatch, engine, hook) -> None:
-    """Every session the worker makes calls `hook(n)` before its n-th step (from 1)."""
-    make_session = engine.session
-
-    def session(*args, **kwargs):
-        made = make_session(*args, **kwargs)
-        step, count = made.step, [0]
-
-        def counted():
-            count[0] += 1
-            hook(count[0])
-            return step()
-
-        made.step = counted
-        return made
-
-    monkeypatch.setattr(engine, "session", session)
-
-
 def _long_job(db, add_job) -> int:
     return add_job(db, DOC, [f"Describe part {i} in detail." for i in range(3)],
                    max_new_tokens=60, mode="stock")
@@ -128,7 +109,7 @@ def test_a_busy_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engi
         if n == 6:  # a step as long as a look's period: the next iteration looks
             time.sleep(loop.ARRIVAL_PROBE_SECONDS * 1.5)
 
-    _on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
+    on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
     sink = _Events()
     summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
 
@@ -156,7 +137,7 @@ def test_a_store_that_cannot_answer_the_look_still_serves_jobs(sqlite_db, add_jo
         if n == 6:
             time.sleep(loop.ARRIVAL_PROBE_SECONDS * 1.5)
 
-    _on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
+    on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
     sink = _Events()
     summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
     assert summary.count("done") == 2 and len(late) == 1

@@ -12,6 +12,7 @@ from ppqa.store.jobs import cancel_job
 from ppqa.store.models import Answer, Job, Question
 from ppqa.worker.loop import Worker, WorkerOptions
 from ppqa.worker.report import ProgressSink
+from tests.helpers import on_each_step
 
 MODEL = "dummy:tiny-mha"
 DOC = "The harbor of Velm opened in 1901. It has three piers and a red lighthouse."
@@ -56,25 +57,6 @@ class _Events(ProgressSink):
         self.events.append(("message", text))
 
 
-def _on_each_step(monkeypatch, engine, hook) -> None:
-    """Every session the worker makes calls `hook(n)` before its n-th step (from 1)."""
-    make_session = engine.session
-
-    def session(*args, **kwargs):
-        made = make_session(*args, **kwargs)
-        step, count = made.step, [0]
-
-        def counted():
-            count[0] += 1
-            hook(count[0])
-            return step()
-
-        made.step = counted
-        return made
-
-    monkeypatch.setattr(engine, "session", session)
-
-
 def test_a_job_ingested_while_another_decodes_starts_before_it_ends(sqlite_db, add_job, engine,
                                                                   monkeypatch):
     long_job = add_job(sqlite_db, DOC, [f"Describe part {i} in detail." for i in range(3)],
@@ -86,7 +68,7 @@ def test_a_job_ingested_while_another_decodes_starts_before_it_ends(sqlite_db, a
             late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2,
                                 mode="stock"))
 
-    _on_each_step(monkeypatch, engine, ingest_on_the_fifth)
+    on_each_step(monkeypatch, engine, ingest_on_the_fifth)
     sink = _Events()
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01),
                     sink)
@@ -115,7 +97,7 @@ def test_a_busy_worker_claims_one_document_between_two_steps(sqlite_db, add_job,
                                 max_new_tokens=2, mode="stock", name=f"late{k}")
                         for k in range(3))
 
-    _on_each_step(monkeypatch, engine, ingest_on_the_fifth)
+    on_each_step(monkeypatch, engine, ingest_on_the_fifth)
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu", poll_seconds=0.01),
                     sink)
     summary = worker.run()
@@ -142,7 +124,7 @@ def test_a_busy_worker_settles_a_few_jobs_between_two_steps(sqlite_db, add_job, 
                      name=f"short{k}") for k in range(5)]
     sink = _Events()
     sink.settled = lambda outcome: sink.events.append(("settled", outcome.job_id))
-    _on_each_step(monkeypatch, engine, lambda n: sink.events.append(("step",)))
+    on_each_step(monkeypatch, engine, lambda n: sink.events.append(("step",)))
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu"), sink)
     summary = worker.run()
 
@@ -164,7 +146,7 @@ def test_cancel_stops_one_job_at_once_and_the_others_go_on(sqlite_db, add_job, e
                      mode="stock")
     kept = add_job(sqlite_db, OTHER, [f"Other {k}?" for k in range(3)], max_new_tokens=20,
                    mode="stock")
-    _on_each_step(monkeypatch, engine, lambda n: cancel_job(sqlite_db, doomed) if n == 5 else None)
+    on_each_step(monkeypatch, engine, lambda n: cancel_job(sqlite_db, doomed) if n == 5 else None)
     sink = _Events()
     worker = Worker(sqlite_db, engine, WorkerOptions(model=MODEL, device="cpu",
                                                      lease_seconds=0.3), sink)
