@@ -23,7 +23,7 @@ the device first; then step t is read back and its tokens accepted (the matchers
 finished streams become answers); then the masks are filled on a background thread while the
 forward runs and the main thread goes on to build the next step, and the step is sampled
 (masks applied) when something needs its tokens: the next forward or its read back (`_launch`,
-`_run`, `_Launched.complete`; runtime/grammar.py). A stream
+`_run`, `Launched.complete`; runtime/grammar.py). A stream
 that step t finished is fed once more by step t+1, whose token for it is dropped, as for any
 stream under the overlap.
 `Engine.run` and `Engine.answer` are a session that is fed once and drained; the worker keeps
@@ -41,14 +41,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ppqa.engine import scoring
+from ppqa.engine.launches import (Launched, Prefilled, PrefillTimer, Tokenizing,
+                                  charge_streams)
 from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
-from ppqa.engine.prepare import (RenderedGroup, choose_plan, group_streams, make_requests,
-                                 prepare_groups, render_groups)
+from ppqa.engine.prepare import (choose_plan, group_streams, make_requests, prepare_groups,
+                                 render_groups)
 from ppqa.engine.runtime.grammar import fill_later
 from ppqa.engine.runtime.kv_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
@@ -88,20 +90,20 @@ class EngineSession:
                                max_batch_requests=engine.config.max_batch_requests)
         self.stats = RunStats()
         self.started = time.perf_counter()
-        self._in_flight: _Launched | None = None
+        self._in_flight: Launched | None = None
         # When the last decode step's tokens came back, or the last prefill ended: on the CPU
         # a decode step is charged from the later of its launch and this, so time spent in a
         # prefill while it was in flight is charged once (to the prefill), not to both. (On a
-        # GPU both are charged their device time, `_Launched.device_seconds` and `_Timer`.)
+        # GPU both are charged their device time, `Launched.device_seconds` and `PrefillTimer`.)
         self._last_read = 0.0
         # Prefill launched and not yet read (`_settle_prefill`): with `overlap_steps`, a
         # document chunk and a question prefill are read at the end of the next iteration,
         # after its decode step is queued, so the GPU has work queued while the host goes on.
-        self._unsettled: list[_Prefilled] = []
+        self._unsettled: list[Prefilled] = []
         self._iteration = 0  # `step` calls that ran work: when a launch or a submit happened
         self._modes: set[str] = set()
         # Background submits whose texts the tokenizer thread is encoding, in submit order.
-        self._tokenizing: deque[_Tokenizing] = deque()
+        self._tokenizing: deque[Tokenizing] = deque()
         self._tokenizer_thread: ThreadPoolExecutor | None = None
         self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
         tokenizer = engine.tokenizer
@@ -124,8 +126,9 @@ class EngineSession:
         background: render the prompts now and tokenize them on the session's tokenizer
         thread, so that a long document's tokenizing overlaps the steps the GPU runs; the
         questions join the queue once `tokenize_ahead_iterations` steps have run, or at once
-        when nothing else runs (the rejections found then go to `on_error` too). Returns how many questions went to the thread. Where
-        the tokenizer would hold the GIL while it works, it tokenizes here as without."""
+        when nothing else runs (the rejections found then go to `on_error` too). Returns how
+        many questions went to the thread. Where the tokenizer would hold the GIL while it
+        works, it tokenizes here as without."""
         check_mode(mode)
         if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
             raise ValueError(f"streams must be None, 'auto' or an integer >= 1, got {streams!r}")
@@ -137,7 +140,7 @@ class EngineSession:
                     self._tokenizer_thread = ThreadPoolExecutor(
                         1, thread_name_prefix="ppqa-tokenize")
                 future = self._tokenizer_thread.submit(self.engine.tokenizer.encode_many, texts)
-                self._tokenizing.append(_Tokenizing(groups, future, mode, streams,
+                self._tokenizing.append(Tokenizing(groups, future, mode, streams,
                                                     self._iteration))
             return sum(len(g.requests) for g in groups)
         self._collect_tokenized(wait_all=True)  # earlier background submits queue first
@@ -322,9 +325,9 @@ class EngineSession:
             doc = docs[0]
             waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
             inputs = sched.document_chunk(doc)
-            timer = _Timer(self._cuda)
+            timer = PrefillTimer(self._cuda)
             self._run(inputs)
-            self._launched_prefill(_Prefilled(timer.stop(), [(s, 1.0) for s in waiting]))
+            self._launched_prefill(Prefilled(timer.stop(), [(s, 1.0) for s in waiting]))
             stats.steps += 1
             stats.prefilled_tokens += inputs.num_tokens
             if bounded:
@@ -337,16 +340,16 @@ class EngineSession:
                 self._score(batch)
             for step in self._question_steps([r for r in ready if not r.scoring]):
                 stats.prefilled_tokens += step.inputs.num_tokens
-                timer = _Timer(self._cuda)
+                timer = PrefillTimer(self._cuda)
                 launched = self._launch(step, None)
                 streams = [(s, len(s.suffix_ids)) for r in step.requests for s in r.streams]
-                self._launched_prefill(_Prefilled(timer.stop(), streams, launched))
+                self._launched_prefill(Prefilled(timer.stop(), streams, launched))
             if bounded:
                 break
         if not self.engine.config.overlap_steps:
             self._settle_prefill()
 
-    def _launched_prefill(self, work: _Prefilled) -> None:
+    def _launched_prefill(self, work: Prefilled) -> None:
         work.iteration = self._iteration
         self._unsettled.append(work)
         if not self._cuda:
@@ -456,7 +459,7 @@ class EngineSession:
         self._settle_prefill(earlier_only=True)
         self.stats.decode_s += waited - begin
 
-    def _launch(self, step: PlannedStep, prev: _Launched | None) -> _Launched:
+    def _launch(self, step: PlannedStep, prev: Launched | None) -> Launched:
         """Run `step` and sample it; `prev` (the step in flight, whose device tokens are this
         step's inputs) is read back and postprocessed after this step's forward is queued, so
         the host does that while the device runs the forward. A step without grammar rows
@@ -471,20 +474,20 @@ class EngineSession:
         logits = self._run(step.inputs, prev)
         self.stats.steps += 1
         if prev is None:
-            return _Launched(step, self._sample(logits, step), launched_at, began)
+            return Launched(step, self._sample(logits, step), launched_at, began)
         self.stats.overlapped_steps += 1  # launched before the step in flight was read
         if step.sampling.grammar is not None:
             self._finish(prev)
             if not self.defer_masks:
-                return _Launched(step, self._sample(logits, step), launched_at, began)
+                return Launched(step, self._sample(logits, step), launched_at, began)
             masks = fill_later(step.sampling.grammar, *logits.shape, pin=logits.is_cuda)
-            return _Launched(step, None, launched_at, began,
+            return Launched(step, None, launched_at, began,
                              later=lambda: self._sample(logits, step, masks.result()))
-        launched = _Launched(step, self._sample(logits, step), launched_at, began)
+        launched = Launched(step, self._sample(logits, step), launched_at, began)
         self._finish(prev)
         return launched
 
-    def _run(self, inputs, prev: _Launched | None = None) -> torch.Tensor | None:
+    def _run(self, inputs, prev: Launched | None = None) -> torch.Tensor | None:
         """Forward one step (`prev`: the step in flight whose device tokens feed it). A step
         still waiting for its masks samples first, so that its logits are sampled before any
         later forward and its tokens exist for this one."""
@@ -497,7 +500,7 @@ class EngineSession:
     def _sample(self, logits: torch.Tensor, step: PlannedStep, bitmask=FILL) -> torch.Tensor:
         return sample(logits, step.sampling, bitmask)
 
-    def _finish(self, launched: _Launched, charge: bool = True) -> None:
+    def _finish(self, launched: Launched, charge: bool = True) -> None:
         tokens = launched.read()
         now = time.perf_counter()
         step = launched.step
@@ -513,7 +516,7 @@ class EngineSession:
             seconds = launched.device_seconds()
             if seconds is None:
                 seconds = now - max(launched.launched_at, self._last_read)
-            _charge(fed, "decode_s", seconds)
+            charge_streams(fed, "decode_s", seconds)
             self._last_read = now
         finished = self.sched.postprocess(step, tokens, eos_ids=self._eos,
                                           decode=self.engine.tokenizer.decode, now=now)
@@ -535,104 +538,3 @@ class EngineSession:
         stats.prompt_tokens += answer.prompt_tokens
         if self.on_answer is not None:
             self.on_answer(key, answer)
-
-
-class _Tokenizing:
-    """A background submit: its rendered groups and the tokenizer thread's encoding of their
-    texts (`RenderedGroup.texts.all` of each, in order)."""
-
-    def __init__(self, groups: list[RenderedGroup], future: Future, mode: str,
-                 streams: int | str | None, iteration: int) -> None:
-        self.groups, self.future, self.mode, self.streams = groups, future, mode, streams
-        self.iteration = iteration  # the session's iteration when it was submitted
-
-
-class _Timer:
-    """A prefill launch's device time: CUDA events around it (read once it has run), or on
-    the CPU, where the launch runs synchronously, the host's."""
-
-    def __init__(self, cuda: bool) -> None:
-        self._begin_s = time.perf_counter()
-        self._events = None
-        self._seconds = 0.0
-        if cuda:
-            self._events = (torch.cuda.Event(enable_timing=True),
-                            torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-
-    def stop(self) -> _Timer:
-        if self._events is None:
-            self._seconds = time.perf_counter() - self._begin_s
-        else:
-            self._events[1].record()
-        return self
-
-    def seconds(self) -> float:
-        """Waits for the launch to end on the device."""
-        if self._events is not None:
-            self._events[1].synchronize()
-            return self._events[0].elapsed_time(self._events[1]) / 1e3
-        return self._seconds
-
-
-class _Prefilled:
-    """Prefill launched and not yet waited for: its timer, the streams charged for it with
-    their weights, and the launched question prefill step whose tokens are still to be read
-    (None for a document chunk)."""
-
-    def __init__(self, timer: _Timer, streams: list[tuple[Stream, float]],
-                 launched: _Launched | None = None) -> None:
-        self.timer, self.streams, self.launched = timer, streams, launched
-        self.iteration = 0  # the session's iteration that launched it
-
-
-def _charge(streams: list[Stream], field: str, seconds: float) -> None:
-    """Share `seconds` of device work equally between `streams`."""
-    if streams:
-        share = seconds / len(streams)
-        for s in streams:
-            setattr(s, field, getattr(s, field) + share)
-
-
-class _Launched:
-    """A step on its way: its sampled tokens on the device, copied to pinned host memory
-    behind the step (no wait); `read` waits for this step alone."""
-
-    def __init__(self, step: PlannedStep, tokens: torch.Tensor | None, launched_at: float,
-                 began: torch.cuda.Event | None = None,
-                 later: Callable[[], torch.Tensor] | None = None) -> None:
-        """launched_at: the host's perf_counter at the launch; began (GPU): a timing event
-        recorded before the step's first kernel."""
-        self.step, self.tokens, self.launched_at, self._began = step, tokens, launched_at, began
-        self._event = None
-        self._later = later  # samples the step, once its masks are filled (tokens None till then)
-        if tokens is not None:
-            self._copy()
-
-    def _copy(self) -> None:
-        if self.tokens.is_cuda:
-            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            self._host.copy_(self.tokens, non_blocking=True)
-            self._event = torch.cuda.Event(enable_timing=self._began is not None)
-            self._event.record()
-
-    def complete(self) -> None:
-        """Sample a step whose masks were filling (a no-op once sampled)."""
-        if self._later is not None:
-            later, self._later = self._later, None
-            self.tokens = later()
-            self._copy()
-
-    def read(self) -> list[int]:
-        self.complete()
-        if self._event is None:
-            return self.tokens.tolist()
-        self._event.synchronize()
-        return self._host.tolist()
-
-    def device_seconds(self) -> float | None:
-        """Once read: the device's time from the step's first kernel to its tokens' copy;
-        None without a timing event (the CPU)."""
-        if self._began is None or self._event is None:
-            return None
-        return self._began.elapsed_time(self._event) / 1e3
