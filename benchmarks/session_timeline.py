@@ -225,7 +225,7 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     from ppqa.bench.workloads import write_batch
     from ppqa.cli.run_progress import make_progress
     from ppqa.store.db import open_db
-    from ppqa.store.queue import waiting_questions
+    from ppqa.store.lookups import waiting_questions
     from ppqa.worker import loop
 
     # A folder per workload and seed, whose stores and batch files a later pass leaves alone.

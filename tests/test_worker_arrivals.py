@@ -1,5 +1,5 @@
 """A job ingested between two full claims is claimed within a look for new job ids
-(`queue.newest_job_id`, every `loop.ARRIVAL_PROBE_SECONDS`), not at the next `poll_seconds`:
+(`lookups.newest_job_id`, every `loop.ARRIVAL_PROBE_SECONDS`), not at the next `poll_seconds`:
 by an idle following worker and by a busy one. The real engine on `dummy:tiny-mha` (CPU) and a
 real SQLite store; `poll_seconds` is a minute, so a worker that waited for its full claim fails
 the test (a bounded wait, never a hang). Order is read from the store and the worker's events."""
@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from ppqa.store import queue
+from ppqa.store import lookups, queue
 from ppqa.store.models import Job
 from ppqa.worker import loop
 from ppqa.worker.report import ProgressSink
@@ -56,13 +56,13 @@ def _times(db, job_id: int):
 
 
 def test_newest_job_id_is_zero_when_empty_and_grows_with_each_ingest(any_db, add_job):
-    assert queue.newest_job_id(any_db) == 0
+    assert lookups.newest_job_id(any_db) == 0
     first = add_job(any_db, DOC, ["How many piers?"])
-    assert queue.newest_job_id(any_db) == first
+    assert lookups.newest_job_id(any_db) == first
     second = add_job(any_db, OTHER, ["How many bridges?"])
-    assert queue.newest_job_id(any_db) == second > first
+    assert lookups.newest_job_id(any_db) == second > first
     queue.claim_jobs(any_db, "w", 60)  # a claim changes jobs, not their ids
-    assert queue.newest_job_id(any_db) == second
+    assert lookups.newest_job_id(any_db) == second
 
 
 def test_an_idle_following_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engine):
@@ -127,7 +127,7 @@ def test_a_store_that_cannot_answer_the_look_still_serves_jobs(sqlite_db, add_jo
     def blip(db):
         raise OperationalError("SELECT max(jobs.id)", {}, Exception("database is locked"))
 
-    monkeypatch.setattr(queue, "newest_job_id", blip)
+    monkeypatch.setattr(lookups, "newest_job_id", blip)
     long_job = _long_job(sqlite_db, add_job)
     late: list[int] = []
 

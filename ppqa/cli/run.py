@@ -125,7 +125,7 @@ def run(
     from ppqa.engine import precompile  # no torch: helpers start before it loads
     from ppqa.worker.loop import Worker, WorkerError
     from ppqa.worker.options import WorkerOptions
-    from ppqa.store.queue import has_claimable, waiting_questions
+    from ppqa.store.lookups import has_claimable, waiting_questions
     from ppqa.worker.report import WorkerSummary
     from ppqa.worker.setup import (SetupError, check_device_flags, device_groups, load_engine,
                                    load_parallel_engine, process_age, resolve_device)
@@ -274,7 +274,7 @@ def _device_args(group: list[str], tensor_parallel: int) -> list[str]:
 def _run_pool(db, model: str, children, json_out: bool) -> None:
     """A worker process per device group (worker/pool.py), shown as one."""
     from ppqa.cli.run_progress import make_progress
-    from ppqa.store.queue import waiting_questions
+    from ppqa.store.lookups import waiting_questions
     from ppqa.worker.pool import STOP_SIGNALS, WorkerPool
 
     progress = make_progress(lambda: waiting_questions(db, model))

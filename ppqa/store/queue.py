@@ -73,7 +73,8 @@ class ClaimedJob:
         return sum(len(q.samples) for q in self.questions)
 
 
-def _claimable(now: datetime, model: str | None):
+def claimable(now: datetime, model: str | None):
+    """The condition on `Job` of a job a worker of `model` may claim at `now`."""
     cond = or_(Job.status == QUEUED, and_(Job.status == RUNNING, Job.lease_expires_at < now))
     if model is not None:
         cond = and_(cond, or_(Job.model.is_(None), Job.model == model))
@@ -132,7 +133,7 @@ def claim_jobs(db: Database, worker_id: str, lease_seconds: float, *, max_jobs: 
             rows = conn.execute(
                 select(Job.id, Job.params, Job.priority, Job.attempts, Job.question_count,
                        Job.template_source)
-                .where(_claimable(now, model), Job.document_id == head.document_id)
+                .where(claimable(now, model), Job.document_id == head.document_id)
                 .order_by(*order).limit(fetch).with_for_update(skip_locked=True)).all()
             open_questions = _unanswered(conn, [r.id for r in rows])
             candidates = []
@@ -185,8 +186,8 @@ def _next_document(conn, now: datetime, model: str | None, worker_id: str, order
     priority: a document with a job this worker runs (its KV is likely still in its engine),
     else the oldest one no other live worker runs (claiming that would prefill it twice), else
     the first in the usual order. Each look is an ordered scan that stops at its first row."""
-    claimable = _claimable(now, model)
-    top = conn.execute(select(func.max(Job.priority)).where(claimable)).scalar()
+    open_jobs = claimable(now, model)
+    top = conn.execute(select(func.max(Job.priority)).where(open_jobs)).scalar()
     if top is None:
         return None
     live = (Job.status == RUNNING) & (Job.lease_expires_at >= now)
@@ -197,7 +198,7 @@ def _next_document(conn, now: datetime, model: str | None, worker_id: str, order
     # locked by a concurrent claim (PostgreSQL's SKIP LOCKED).
     for preferred in (at_top & Job.document_id.in_(mine),
                       at_top & Job.document_id.not_in(others), None):
-        query = select(Job.document_id).where(claimable)
+        query = select(Job.document_id).where(open_jobs)
         if preferred is not None:
             query = query.where(preferred)
         head = conn.execute(query.order_by(*order).limit(1)
@@ -376,33 +377,3 @@ def requeue_expired(db: Database, max_attempts: int = 3) -> dict[str, list[int]]
             conn.execute(update(Job).where(Job.id.in_(requeued)).values(
                 status=QUEUED, lease_owner=None, lease_expires_at=None))
     return {"requeued": requeued, "failed": failed}
-
-
-def waiting_questions(db: Database, model: str | None = None) -> int:
-    """Answers still to write for queued jobs (that a worker of `model` may take; one per
-    unanswered question, or per missing sample): the part of the queue nobody has claimed
-    yet, for a worker's progress total."""
-    stmt = (select(func.coalesce(func.sum(Job.samples - answer_count()), 0))
-            .select_from(Question).join(Job, Job.id == Question.job_id)
-            .where(Job.status == QUEUED, answer_count() < Job.samples))
-    if model is not None:
-        stmt = stmt.where(or_(Job.model.is_(None), Job.model == model))
-    with db.read() as conn:
-        return int(conn.execute(stmt).scalar_one())
-
-
-def has_claimable(db: Database, model: str | None = None) -> bool:
-    """Whether `claim_jobs` would find a job now (queued, or running with an expired lease)."""
-    with db.read() as conn:
-        now = db.now(conn)
-        return conn.execute(select(Job.id).where(_claimable(now, model)).limit(1)).first() is not None
-
-
-def newest_job_id(db: Database) -> int:
-    """The largest job id, 0 for an empty store. Ingest inserts jobs with growing ids and nothing
-    deletes them, so a larger one than a worker saw means a job was ingested since: a look far
-    cheaper than `claim_jobs`, which a worker then runs. It misses what keeps its id (a job
-    released, retried or whose lease expired) and, on PostgreSQL, a job committed after one with
-    a larger id: those wait for the worker's full poll."""
-    with db.read() as conn:
-        return int(conn.execute(select(func.coalesce(func.max(Job.id), 0))).scalar_one())

@@ -18,7 +18,7 @@ The loop, between engine steps (the step in flight runs on the GPU meanwhile):
     once (`EngineSession.cancel`).
 So a job ingested while others decode starts at the next claim, not after the others end.
 Between full claims (every `poll_seconds` when none came) the worker, busy or idle, looks for a
-newer job id (`queue.newest_job_id`) every `ARRIVAL_PROBE_SECONDS` and claims at once if there is.
+newer job id (`lookups.newest_job_id`) every `ARRIVAL_PROBE_SECONDS` and claims at once if there is.
 
 The worker knows nothing of terminals: it tells a `ProgressSink` what happens (the CLI renders
 that with Rich or log lines) and returns a `WorkerSummary`. `request_stop()` (the CLI calls it
@@ -36,7 +36,7 @@ import time
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ppqa.store import queue
+from ppqa.store import lookups, queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
 from ppqa.store.queue import ClaimedJob
@@ -225,10 +225,10 @@ class Worker:
         return got_any
 
     def _newest_job_id(self) -> int:
-        """`queue.newest_job_id`; on a database blip the last one seen (nothing new): the
+        """`lookups.newest_job_id`; on a database blip the last one seen (nothing new): the
         look is a hint, and the full claim reports a store that stays down."""
         try:
-            return queue.newest_job_id(self.db)
+            return lookups.newest_job_id(self.db)
         except (SQLAlchemyError, StoreError):
             return self._seen_job_id
 
