@@ -52,3 +52,14 @@ def test_a_drawn_workloads_documents_are_its_prompts() -> None:
     one = floor_seconds(loaded.config, docs[:1])
     both = floor_seconds(loaded.config, docs)
     assert 0 < one["prefill_s"] < both["prefill_s"] and 0 < one["decode_s"] <= both["decode_s"]
+
+
+def test_every_sample_of_a_question_decodes_and_its_prompt_counts_once() -> None:
+    loaded = load_model("dummy:tiny-gqa+bpe")
+    one = workload_documents(w.make_jobs(w.WORKLOADS["labeling"], loaded.tokenizer, 1),
+                             loaded.tokenizer)[0]
+    eight = workload_documents(w.make_jobs(w.WORKLOADS["labeling-samples8"], loaded.tokenizer,
+                                           1), loaded.tokenizer)[0]
+    assert eight.prefix_tokens == one.prefix_tokens
+    assert len(eight.answer_tokens) == 8 * len(one.answer_tokens)
+    assert sum(eight.question_tokens) == sum(one.question_tokens)

@@ -80,15 +80,21 @@ def floor_seconds(config, documents: Sequence[DocumentWork], *, max_batch: int =
 
 def workload_documents(jobs, tokenizer) -> list[DocumentWork]:
     """The drawn workload's documents as the worker prefills them: each document's jobs'
-    questions in one prompt (bench/workloads.Jobs), tokenized as the engine tokenizes."""
+    questions in one prompt (bench/workloads.Jobs), tokenized as the engine tokenizes. A
+    question of several samples decodes each (its prompt counted once: the later samples'
+    question tokens are 0)."""
     by_doc: dict[int, list] = {}
     for job in jobs.jobs:
         by_doc.setdefault(job.document, []).append(job)
     out = []
     for index, doc_jobs in by_doc.items():
-        questions = [(q, job.max_new_tokens) for job in doc_jobs for _, q in job.questions]
+        questions = [(q, job.max_new_tokens, job.params.get("samples", 1))
+                     for job in doc_jobs for _, q in job.questions]
         prompt = tokenizer.prompt(doc_jobs[0].template, jobs.documents[index],
-                                  [q for q, _ in questions])
-        out.append(DocumentWork(len(prompt.prefix_ids), [len(s) for s in prompt.suffix_ids],
-                                [budget for _, budget in questions]))
+                                  [q for q, _, _ in questions])
+        doc = DocumentWork(len(prompt.prefix_ids), [], [])
+        for suffix, (_, budget, samples) in zip(prompt.suffix_ids, questions):
+            doc.question_tokens += [len(suffix)] + [0] * (samples - 1)
+            doc.answer_tokens += [budget] * samples
+        out.append(doc)
     return out
