@@ -54,3 +54,43 @@ def test_warmup_captures_the_full_batch_graphs_before_any_work():
     stock = eng.answer(short, questions, mode="stock", sampling=sampling)
     assert all(len(a.token_ids) == 4 for a in cascade + stock)
     assert eng.captured_graphs == captured
+
+
+def test_steps_mixing_stock_and_cascade_replay_like_eager():
+    """One session, two documents: one's questions by cascade, the other's by stock, decoded
+    side by side in the same steps (width-1 requests of both modes), answers of different
+    lengths so the mix changes as requests finish. With graphs, those mixed steps are
+    captured and replayed, and every token is the eager run's (fp32)."""
+    from ppqa import QuestionRequest
+
+    cascade_doc = "The harbor of Velm opened in 1901; its three piers face north. " * 8
+    stock_doc = "Orrin is a river town with two bridges and a market on Sundays. " * 5
+    requests = [(QuestionRequest(("c", i), cascade_doc, f"Which pier is number {i}?",
+                                 SamplingParams(max_new_tokens=30 + 7 * i, ignore_eos=True)),
+                 "cascade") for i in range(9)]
+    requests += [(QuestionRequest(("s", i), stock_doc, f"Which bridge is number {i}?",
+                                  SamplingParams(max_new_tokens=25 + 11 * i, ignore_eos=True)),
+                  "stock") for i in range(5)]
+    got = {}
+    for graphs in (False, True):
+        eng = Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
+                     config=EngineConfig(cuda_graphs=graphs, mem_fraction=0.05))
+        out, mixed = {}, []
+        session = eng.session(on_answer=lambda r, a: out.__setitem__(r.key, a.token_ids))
+        build = session.sched.decode_step
+
+        def logged(batch, build=build, mixed=mixed, **kw):
+            mixed.append({r.mode for r in batch if r.row >= 0} == {"cascade", "stock"})
+            return build(batch, **kw)
+
+        session.sched.decode_step = logged
+        for mode in ("cascade", "stock"):
+            session.submit([r for r, m in requests if m == mode], mode=mode)
+        session.drain()
+        session.close()
+        assert sum(mixed) >= 10  # most steps hold both modes
+        got[graphs] = out
+        if graphs:
+            assert eng.captured_graphs > 0
+    assert got[True] == got[False]
+    assert len(got[True]) == len(requests)
