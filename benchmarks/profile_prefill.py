@@ -108,8 +108,10 @@ def make_requests(engine: Engine, doc_tokens: int, questions: int, question_toke
     streams = [Stream(key=i, suffix_ids=[rng.randrange(3, vocab) for _ in range(question_tokens)],
                       sampling=sampling, seed=i, prompt_tokens=doc_tokens + question_tokens)
                for i in range(questions)]
+    from ppqa.engine import prepare
+
     session = engine.session()
-    return session, session._requests(doc_ids, streams, mode, 1)
+    return session, prepare.make_requests(engine, doc_ids, streams, mode, 1)
 
 
 def prefill_once(engine: Engine, doc_tokens: int, questions: int, question_tokens: int,

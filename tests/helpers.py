@@ -177,12 +177,13 @@ def pending_document(eng, doc_ids: list[int], mode: str = "cascade"):
     """(session, document): one question about `doc_ids` admitted to a new session of `eng`,
     its document waiting for prefill (`session.sched.document_chunk` takes it chunk by chunk)."""
     from ppqa import SamplingParams
+    from ppqa.engine.prepare import make_requests
     from ppqa.engine.runtime.request import Stream
 
     stream = Stream(key=0, suffix_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=1),
                     seed=0, prompt_tokens=len(doc_ids) + 3)
     session = eng.session()
-    for req in session._requests(doc_ids, [stream], mode, 1):
+    for req in make_requests(eng, doc_ids, [stream], mode, 1):
         session.sched.add(req)
     session.sched.admit()
     return session, session.sched.pending_documents()[0]

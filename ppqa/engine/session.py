@@ -1,8 +1,9 @@
 """`EngineSession`: one long-lived loop over an engine; work is added while it runs.
 
-    submit(requests) -> prompts per (template, document) -> checks (context, pool) -> a mode per
-        document group (auto: the cost model) -> requests of P streams (parallel) or one
-        question each (stock, cascade) -> the scheduler's queue; questions with choices
+    submit(requests) -> (engine/intake.py) prompts per (template, document) -> checks
+        (context, pool) -> a mode per document group (auto: the cost model) -> requests of
+        P streams (parallel) or one question each (stock, cascade) -> the scheduler's
+        queue; questions with choices
         become scoring requests (engine/scoring.py), which a prefill step answers whole.
         With background=True (the worker's claims) the prompts are rendered at once and
         tokenized on a thread while steps run; the step after `tokenize_ahead_iterations`
@@ -39,21 +40,16 @@ only a caller's `flush` is a call to repeat.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ppqa.engine import scoring
-from ppqa.engine.launches import (Launched, Prefilled, PrefillTimer, Tokenizing,
-                                  charge_streams)
+from ppqa.engine.intake import Intake
+from ppqa.engine.launches import Launched, Prefilled, PrefillTimer, charge_streams
 from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
-from ppqa.engine.prepare import (choose_plan, group_streams, make_requests, prepare_groups,
-                                 render_groups)
 from ppqa.engine.runtime.grammar import fill_later
-from ppqa.engine.runtime.kv_cache import document_key
-from ppqa.engine.runtime.request import Request, Stream
+from ppqa.engine.runtime.request import Request
 from ppqa.engine.runtime.sampling import FILL, sample
 from ppqa.engine.runtime.scheduler import Scheduler
 from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
@@ -101,11 +97,9 @@ class EngineSession:
         # after its decode step is queued, so the GPU has work queued while the host goes on.
         self._unsettled: list[Prefilled] = []
         self._iteration = 0  # `step` calls that ran work: when a launch or a submit happened
-        self._modes: set[str] = set()
-        # Background submits whose texts the tokenizer thread is encoding, in submit order.
-        self._tokenizing: deque[Tokenizing] = deque()
-        self._tokenizer_thread: ThreadPoolExecutor | None = None
         self._scores = scoring.ScoreBook()  # questions with choices, until all are scored
+        self._intake = Intake(engine, self.sched, self.stats, self._scores, self._reject,
+                              self.tokenize_ahead_iterations)
         tokenizer = engine.tokenizer
         self._eos = [] if not tokenizer.eos_token_ids else list(tokenizer.eos_token_ids)
         self._cuda = engine.device.type == "cuda"
@@ -128,90 +122,16 @@ class EngineSession:
         questions join the queue once `tokenize_ahead_iterations` steps have run, or at once
         when nothing else runs (the rejections found then go to `on_error` too). Returns how
         many questions went to the thread. Where the tokenizer would hold the GIL while it
-        works, it tokenizes here as without."""
+        works, it tokenizes here as without (engine/intake.py)."""
         check_mode(mode)
         if streams is not None and streams != "auto" and (not isinstance(streams, int) or streams < 1):
             raise ValueError(f"streams must be None, 'auto' or an integer >= 1, got {streams!r}")
-        if background and self.engine.tokenizer.tokenizes_off_thread:
-            groups = render_groups(self.engine, requests, self._reject)
-            if groups:
-                texts = [t for g in groups for t in g.texts.all]
-                if self._tokenizer_thread is None:
-                    self._tokenizer_thread = ThreadPoolExecutor(
-                        1, thread_name_prefix="ppqa-tokenize")
-                future = self._tokenizer_thread.submit(self.engine.tokenizer.encode_many, texts)
-                self._tokenizing.append(Tokenizing(groups, future, mode, streams,
-                                                    self._iteration))
-            return sum(len(g.requests) for g in groups)
-        self._collect_tokenized(wait_all=True)  # earlier background submits queue first
-        accepted = sum(self._queue_group(doc_ids, group, mode, streams)
-                       for doc_ids, group in self._prepare(requests))
-        self.stats.mode = next(iter(self._modes)) if len(self._modes) == 1 else "mixed"
-        return accepted
-
-    def _collect_tokenized(self, wait_all: bool = False, wait_first: bool = False) -> None:
-        """Queue the background submits made `tokenize_ahead_iterations` or more iterations
-        ago, in submit order, waiting for their tokens if need be; wait_first: the oldest
-        whatever its age (there is nothing else to run), wait_all: every one."""
-        collected = False
-        due = self._iteration - self.tokenize_ahead_iterations
-        while self._tokenizing and (wait_all or (wait_first and not collected)
-                                    or self._tokenizing[0].iteration <= due):
-            work = self._tokenizing.popleft()
-            collected = True
-            try:
-                encoded = work.future.result()
-            except Exception as error:  # noqa: BLE001 - bad input fails its own questions
-                for group in work.groups:
-                    group.reject_all(self._reject, error)
-                continue
-            at = 0
-            for group in work.groups:
-                n = len(group.texts.all)
-                job = group_streams(self.engine, group, encoded[at:at + n], self._reject,
-                                    self._scores.expect)
-                at += n
-                if job is not None:
-                    self._queue_group(*job, work.mode, work.streams)
-        if self._modes:
-            self.stats.mode = next(iter(self._modes)) if len(self._modes) == 1 else "mixed"
-
-    def _queue_group(self, doc_ids: list[int], group: list[Stream], mode: str,
-                     streams: int | str | None) -> int:
-        """One document group's streams to the scheduler, in the mode chosen for them; returns
-        how many."""
-        engine = self.engine
-        scored = [s for s in group if s.choice_ids is not None]
-        group = [s for s in group if s.choice_ids is None]
-        if scored:
-            self._submit_scored(doc_ids, scored, scoring.scoring_mode(mode))
-        if not group:
-            return len(scored)
-        if mode == "auto" and self.sched.cascade_on(document_key(doc_ids)):
-            # Questions about a document that cascade already decodes join that group
-            # (the worker may claim one document's jobs over several claims).
-            chosen, width = "cascade", 1
-        else:
-            chosen, width = choose_plan(mode, streams, len(doc_ids), group,
-                                        engine.model_config, engine.device.type,
-                                        engine.dtype.itemsize, engine.config.default_streams)
-        self._modes.add(chosen)
-        self.stats.streams = max(self.stats.streams, width)
-        for req in self._requests(doc_ids, group, chosen, width):
-            self.sched.add(req)
-        return len(scored) + len(group)
-
-    def _submit_scored(self, doc_ids: list[int], streams: list[Stream], mode: str) -> None:
-        key = document_key(doc_ids)
-        self._modes.add(mode)
-        for whole in streams:
-            for stream in scoring.streams_for_mode(whole, mode):
-                self.sched.add(Request(doc_ids, [stream], width=1, doc_key=key, mode=mode))
+        return self._intake.submit(requests, mode, streams, background, self._iteration)
 
     def cancel(self, doomed: Callable[[QuestionRequest], bool]) -> int:
         """Drop the questions that `doomed(request)` picks, queued or running: they get no
         answer, and their KV and rows are free for others at once. Returns how many."""
-        self._collect_tokenized(wait_all=True)
+        self._intake.collect(self._iteration, wait_all=True)
         dropped = len({id(s.key) for s in self.sched.cancel(doomed)})  # a question, not a choice
         self._scores.drop(doomed)
         self.stats.cancelled += dropped
@@ -221,10 +141,7 @@ class EngineSession:
     def queued_requests(self) -> int:
         """Requests waiting for admission (not yet holding KV or a row), a question still
         being tokenized counted as one."""
-        return len(self.sched.waiting) + self._tokenizing_questions()
-
-    def _tokenizing_questions(self) -> int:
-        return sum(len(g.requests) for work in self._tokenizing for g in work.groups)
+        return len(self.sched.waiting) + self._intake.pending_questions
 
     @property
     def active_requests(self) -> int:
@@ -234,13 +151,13 @@ class EngineSession:
     def open_questions(self) -> int:
         """Questions submitted and not yet answered, rejected or cancelled."""
         sched = self.sched
-        return self._tokenizing_questions() + len(
+        return self._intake.pending_questions + len(
             {id(st.key) for r in [*sched.waiting, *sched.prefilling, *sched.running]
              for st in r.streams if not st.cancelled and not st.is_finished})
 
     def has_work(self) -> bool:
         return (self.sched.has_work() or self._in_flight is not None or bool(self._unsettled)
-                or bool(self._tokenizing))
+                or self._intake.pending)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -248,8 +165,8 @@ class EngineSession:
         """One iteration: schedule (admit, prefill), run (decode), postprocess. False when
         there was nothing to do."""
         sched = self.sched
-        if self._tokenizing:  # background submits that are due join; with nothing else, wait
-            self._collect_tokenized(wait_first=not sched.has_work())
+        if self._intake.pending:  # background submits that are due join; with nothing else, wait
+            self._intake.collect(self._iteration, wait_first=not sched.has_work())
         if not sched.has_work():
             self._flush()
             return False
@@ -283,10 +200,7 @@ class EngineSession:
         """Drop whatever is left (a stop or an error) and return the session's statistics."""
         self._in_flight = None
         self._unsettled.clear()
-        self._tokenizing.clear()
-        if self._tokenizer_thread is not None:
-            self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            self._tokenizer_thread = None
+        self._intake.close()
         self.sched.abort_all()
         if self._cuda:
             self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.engine.device)
@@ -300,15 +214,6 @@ class EngineSession:
             raise error
         self.stats.errors += 1
         self.on_error(req, error)
-
-    def _prepare(self, requests: Sequence[QuestionRequest]) -> list[tuple[list[int], list[Stream]]]:
-        """Streams per document group (engine/prepare.py); rejections go to `on_error` and
-        questions with choices are expected by the score book."""
-        return prepare_groups(self.engine, requests, self._reject, self._scores.expect)
-
-    def _requests(self, doc_ids: list[int], streams: list[Stream], mode: str,
-                  width: int) -> list[Request]:
-        return make_requests(self.engine, doc_ids, streams, mode, width)
 
     # ---- schedule, run, postprocess ----------------------------------------------------------
 
