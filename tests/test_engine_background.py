@@ -162,3 +162,28 @@ def test_background_questions_join_after_a_count_of_iterations_whatever_the_thre
     ahead = bpe_engine.session().tokenize_ahead_iterations
     assert quick_joined == slow_joined == ahead + 1
     assert quick == slow
+
+
+def test_an_idle_sessions_background_submits_start_with_the_first_and_join_at_the_next_step(
+        bpe_engine, tmp_path: Path) -> None:
+    """Submits made while nothing is scheduled (a worker's first claims): the first step waits
+    for the first one's tokens only and starts on it; the others join at the next step, not
+    `tokenize_ahead_iterations` steps later."""
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(15)
+    docs = [_requests(rng, text(rng, 600), 3, tmpl, f"d{i}") for i in range(4)]
+    session = bpe_engine.session()
+    assert session.tokenize_ahead_iterations > 1
+    for batch in docs:
+        session.submit(batch, mode="stock", background=True)
+
+    def queued() -> set:
+        return {s.key.key[0] for r in (*session.sched.waiting, *session.sched.prefilling,
+                                       *session.sched.running) for s in r.streams}
+
+    session.step()
+    assert queued() == {"d0"}
+    session.step()
+    assert queued() == {"d0", "d1", "d2", "d3"}
+    _drain(session)
+    session.close()

@@ -8,9 +8,10 @@
         scoring requests (engine/scoring.py)
     submit(..., background=True) -> prepare.render_groups now; the tokenizer thread runs
         `encode_many`; `collect` finishes each group (prepare.group_streams) and queues it
-        once `ahead` session iterations have run since, waiting for its tokens if need be: a
-        count rather than the thread's progress, so the same work in the same order makes the
-        same steps (bf16 answers depend on batch composition)
+        once `ahead` session iterations have run since (one where the session had nothing
+        scheduled: it only waits for its first submit's tokens), waiting for its tokens if
+        need be: a count rather than the thread's progress, so the same work in the same
+        order makes the same steps (bf16 answers depend on batch composition)
 
 Rejections go to the session's `reject` (its `on_error`); the session's statistics record
 the modes chosen and the widest P.
@@ -45,6 +46,7 @@ class Intake:
     def submit(self, requests: Sequence[QuestionRequest], mode: str,
                streams: int | str | None, background: bool, iteration: int) -> int:
         """See `EngineSession.submit`; `iteration`: the session's count of iterations now."""
+        due = iteration + (self.ahead if self.sched.has_work() else 1)
         if background and self.engine.tokenizer.tokenizes_off_thread:
             groups = render_groups(self.engine, requests, self.reject)
             if groups:
@@ -52,7 +54,7 @@ class Intake:
                 if self._thread is None:
                     self._thread = ThreadPoolExecutor(1, thread_name_prefix="ppqa-tokenize")
                 future = self._thread.submit(self.engine.tokenizer.encode_many, texts)
-                self._tokenizing.append(Tokenizing(groups, future, mode, streams, iteration))
+                self._tokenizing.append(Tokenizing(groups, future, mode, streams, due))
             return sum(len(g.requests) for g in groups)
         self.collect(iteration, wait_all=True)  # earlier background submits queue first
         accepted = sum(self._queue_group(doc_ids, group, mode, streams)
@@ -71,13 +73,12 @@ class Intake:
         return sum(len(g.requests) for work in self._tokenizing for g in work.groups)
 
     def collect(self, iteration: int, wait_all: bool = False, wait_first: bool = False) -> None:
-        """Queue the background submits made `ahead` or more iterations before `iteration`,
-        in submit order, waiting for their tokens if need be; wait_first: the oldest whatever
-        its age (there is nothing else to run), wait_all: every one."""
+        """Queue the background submits due by `iteration`, in submit order, waiting for their
+        tokens if need be; wait_first: the oldest whatever its due (there is nothing else to
+        run), wait_all: every one."""
         collected = False
-        due = iteration - self.ahead
         while self._tokenizing and (wait_all or (wait_first and not collected)
-                                    or self._tokenizing[0].iteration <= due):
+                                    or self._tokenizing[0].due <= iteration):
             work = self._tokenizing.popleft()
             collected = True
             try:

@@ -26,9 +26,9 @@ class Tokenizing:
     texts (`RenderedGroup.texts.all` of each, in order)."""
 
     def __init__(self, groups: list[RenderedGroup], future: Future, mode: str,
-                 streams: int | str | None, iteration: int) -> None:
+                 streams: int | str | None, due: int) -> None:
         self.groups, self.future, self.mode, self.streams = groups, future, mode, streams
-        self.iteration = iteration  # the session's iteration when it was submitted
+        self.due = due  # the session's iteration from which it joins the queue
 
 
 class PrefillTimer:

@@ -69,7 +69,8 @@ class EngineSession:
     # host builds the next step while the masks fill. Off where ranks sample in lockstep.
     defer_masks = True
     # A background submit's questions join the queue once this many iterations have run
-    # since it (sooner when nothing else runs): a count, not "when its tokens are ready", so
+    # since it (one, where the session had nothing scheduled when it came; at once, for the
+    # first, when nothing else runs): a count, not "when its tokens are ready", so
     # that the same work in the same order makes the same steps (bf16 answers depend on batch
     # composition). A `paper` claim's 16k-token document took 62-75 ms to tokenize, about
     # four of its iterations (results/h200/gprof_paper_auto_s23c1.json,
@@ -119,8 +120,9 @@ class EngineSession:
 
         background: render the prompts now and tokenize them on the session's tokenizer
         thread, so that a long document's tokenizing overlaps the steps the GPU runs; the
-        questions join the queue once `tokenize_ahead_iterations` steps have run, or at once
-        when nothing else runs (the rejections found then go to `on_error` too). Returns how
+        questions join the queue once `tokenize_ahead_iterations` steps have run (one step
+        where nothing was scheduled when they came), or at once when nothing else runs (the
+        rejections found then go to `on_error` too). Returns how
         many questions went to the thread. Where the tokenizer would hold the GIL while it
         works, it tokenizes here as without (engine/intake.py)."""
         check_mode(mode)
