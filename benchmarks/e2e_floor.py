@@ -27,11 +27,13 @@ def main() -> None:
             data = json.load(f)
         for w in data["workloads"]:
             info = w["workload"]
-            loaded = load_model(w["model"])
-            jobs = make_jobs(get_workload(info["name"]), loaded.tokenizer, info["documents"])
-            floor = info.get("floor") or floor_seconds(
-                loaded.config, workload_documents(jobs, loaded.tokenizer),
-                max_batch=EngineConfig().max_batch_requests)
+            floor = info.get("floor")
+            if floor is None:  # measured before the e2e bench recorded it: draw it again
+                loaded = load_model(w["model"])
+                jobs = make_jobs(get_workload(info["name"]), loaded.tokenizer,
+                                 info["documents"])
+                floor = floor_seconds(loaded.config, workload_documents(jobs, loaded.tokenizer),
+                                      max_batch=EngineConfig().max_batch_requests)
             for mode, s in w["summary"].items():
                 run = s.get("run_s")
                 print(f"| {path.rsplit('/', 1)[-1]} | {info['name']} | {floor['total_s']:.2f} "

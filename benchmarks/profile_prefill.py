@@ -52,10 +52,7 @@ def category(name: str) -> str:
 
 def matmul_flops_per_token(cfg) -> float:
     """2 x the parameters of every layer's projections (embedding lookups are free)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    per_layer = qkv + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
-    return 2.0 * per_layer * cfg.num_layers
+    return 2.0 * cfg.projection_params_per_layer() * cfg.num_layers
 
 
 def attention_flops(cfg, pairs: float) -> float:

@@ -12,9 +12,9 @@ matrix FLOPs and the bytes its decode steps must read, for `ppqa bench --e2e`'s 
         max_batch) steps, and at least as many as the longest answer has tokens.
     total: prefill + decode (the compute-bound and the memory-bound parts one after the other).
 
-The rates are what this engine's kernels are measured against: 790 TFLOP/s, what cuBLAS's bf16
-GEMMs reach on the H200, and 4.3 TB/s, its device-to-device copy (benchmarks/RESULTS.md, 'The
-GEMMs alone' and 'Kernels, one layer'). Answers are taken at their full budgets.
+The rates are the cost model's for the H200 (`cost_model.DeviceRates.for_device("cuda")`: 790
+TFLOP/s, what cuBLAS's bf16 GEMMs reach, and 4.3 TB/s, its device-to-device copy), what this
+engine's kernels are measured against. Answers are taken at their full budgets.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PEAK_FLOPS = 790e12
-COPY_BYTES_PER_S = 4.3e12
+from ppqa.engine.runtime.cost_model import DeviceRates
+
+_H200 = DeviceRates.for_device("cuda")
+PEAK_FLOPS, COPY_BYTES_PER_S = _H200.matmul, _H200.bandwidth
 
 
 @dataclass
@@ -44,12 +46,10 @@ def floor_seconds(config, documents: Sequence[DocumentWork], *, max_batch: int =
     (a ModelConfig); see the module doc."""
     layers, hidden = config.num_layers, config.hidden_size
     q_width = config.num_heads * config.head_dim
-    kv_width = config.num_kv_heads * config.head_dim
-    per_layer = (hidden * (q_width + 2 * kv_width) + q_width * hidden
-                 + 3 * hidden * config.intermediate_size)
+    per_layer = config.projection_params_per_layer()
     matrix = 2 * layers * per_layer  # FLOPs a token through the projections
     head = 2 * hidden * config.vocab_size  # FLOPs a logit row
-    kv_token_bytes = layers * 2 * kv_width * dtype_bytes
+    kv_token_bytes = config.kv_bytes_per_token(dtype_bytes)
     weight_bytes = (layers * per_layer + hidden * config.vocab_size) * dtype_bytes
 
     def attention(queries: int, keys_before: int) -> float:

@@ -2,8 +2,9 @@
 
     prepare_groups: questions grouped per (template, template text, document), each group's
         prompt rendered (`render_groups`) and tokenized once (the document part shared, a
-        suffix per question), every question checked to fit (context, KV pool) and its sampling parameters and JSON
-        schema checked; a failure rejects that group or question alone. A generating question
+        suffix per question), every question checked to fit (context, KV pool) and its
+        sampling parameters and JSON schema checked; a failure rejects that group or question
+        alone. A generating question
         becomes one stream per sample; a question with choices one scoring stream, whatever
         its samples (they are drawn from its one scoring, engine/scoring.py).
     choose_plan: the mode and width P of one document's questions (auto: the cost model).
@@ -105,7 +106,8 @@ def render_groups(engine, requests: Sequence[QuestionRequest],
             texts = engine.tokenizer.prompt_texts(template, document, [r.question for r in reqs],
                                                   template_source=source, choices=choices)
         except Exception as error:  # noqa: BLE001 - bad input fails its own questions
-            RenderedGroup(reqs, None).reject_all(reject, error)
+            for req in reqs:
+                reject(req, _input_error(error))
             continue
         out.append(RenderedGroup(reqs, texts))
     return out

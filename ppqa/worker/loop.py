@@ -195,10 +195,13 @@ class Worker:
             if now < self._next_probe:
                 return False
             self._next_probe = now + ARRIVAL_PROBE_SECONDS
-            if not self._job_arrived():
+            newest = self._newest_job_id()
+            if newest <= self._seen_job_id:
                 return False
+        else:
+            newest = self._newest_job_id()
         # Noted before the claim: a job ingested while it runs has a larger id than this.
-        self._seen_job_id = self._newest_job_id()
+        self._seen_job_id = newest
         opts, got_any = self.options, False
         while not self.stopping and self._has_room() and not (busy and got_any):
             outstanding = self._outstanding()

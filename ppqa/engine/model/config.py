@@ -47,6 +47,12 @@ class ModelConfig:
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
 
+    def projection_params_per_layer(self) -> int:
+        """Weights of one layer's matrices: q, k, v, o and the gated MLP's three."""
+        h, q_width = self.hidden_size, self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        return h * (q_width + 2 * kv_width) + q_width * h + 3 * h * self.intermediate_size
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -112,9 +112,7 @@ def attention_seconds(cfg: ModelConfig, w: Workload, mode: str, streams: int,
 
 def shared_seconds(cfg: ModelConfig, w: Workload, rates: DeviceRates, dtype_bytes: int = 2) -> float:
     """Predicted time of everything but attention in one step of all Q questions."""
-    h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + h * h + 3 * h * f
-    params = cfg.num_layers * per_layer + v * h
+    params = cfg.num_layers * cfg.projection_params_per_layer() + cfg.vocab_size * cfg.hidden_size
     return max(params * dtype_bytes / rates.bandwidth,
                2 * params * w.questions / rates.matmul) + rates.step_overhead_s
 
