@@ -29,7 +29,8 @@ def has_claimable(db: Database, model: str | None = None) -> bool:
     """Whether `claim_jobs` would find a job now (queued, or running with an expired lease)."""
     with db.read() as conn:
         now = db.now(conn)
-        return conn.execute(select(Job.id).where(claimable(now, model)).limit(1)).first() is not None
+        found = conn.execute(select(Job.id).where(claimable(now, model)).limit(1)).first()
+        return found is not None
 
 
 def newest_job_id(db: Database) -> int:
