@@ -125,9 +125,9 @@ def _step_log(session) -> list[frozenset]:
 def test_background_questions_join_after_a_count_of_iterations_whatever_the_thread_takes(
         bpe_engine, tmp_path: Path, monkeypatch) -> None:
     """A busy session queues a background submit once `tokenize_ahead_iterations` steps have
-    run since it (at the start of the next), waiting for its tokens then if need be: how long the tokenizer thread takes changes no
-    step, so the same work in the same order decodes in the same batches (bf16 answers
-    depend on them)."""
+    run since it (at the start of the next), waiting for its tokens then if need be: how long
+    the tokenizer thread takes changes no step, so the same work in the same order decodes
+    in the same batches (bf16 answers depend on them)."""
     tmpl = plain_template(tmp_path)
     rng = random.Random(14)
     running = [QuestionRequest(r.key, r.document, r.question,
@@ -164,15 +164,18 @@ def test_background_questions_join_after_a_count_of_iterations_whatever_the_thre
     assert quick == slow
 
 
-def test_an_idle_sessions_background_submits_start_with_the_first_and_join_at_the_next_step(
+def test_an_idle_sessions_background_submits_start_together_at_the_first_step(
         bpe_engine, tmp_path: Path) -> None:
-    """Submits made while nothing is scheduled (a worker's first claims): the first step waits
-    for the first one's tokens only and starts on it; the others join at the next step, not
-    `tokenize_ahead_iterations` steps later."""
+    """Submits made while nothing is scheduled (a worker's first claims) all start at the
+    first step, which waits for their tokens: none of them joins later, one document an
+    iteration beside the others' decode; a submit made once the session runs still waits
+    `tokenize_ahead_iterations` steps."""
     tmpl = plain_template(tmp_path)
     rng = random.Random(15)
     docs = [_requests(rng, text(rng, 600), 3, tmpl, f"d{i}") for i in range(4)]
+    later = _requests(rng, text(rng, 600), 2, tmpl, "later")
     session = bpe_engine.session()
+    log = _step_log(session)
     assert session.tokenize_ahead_iterations > 1
     for batch in docs:
         session.submit(batch, mode="stock", background=True)
@@ -182,8 +185,10 @@ def test_an_idle_sessions_background_submits_start_with_the_first_and_join_at_th
                                        *session.sched.running) for s in r.streams}
 
     session.step()
-    assert queued() == {"d0"}
-    session.step()
     assert queued() == {"d0", "d1", "d2", "d3"}
+    session.submit(later, mode="stock", background=True)
+    session.step()
+    assert "later" not in queued()
     _drain(session)
     session.close()
+    assert {k[0] for k in log[0]} == {"d0", "d1", "d2", "d3"}  # one batch from the first step

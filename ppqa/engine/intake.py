@@ -9,9 +9,10 @@
     submit(..., background=True) -> prepare.render_groups now; the tokenizer thread runs
         `encode_many`; `collect` finishes each group (prepare.group_streams) and queues it
         once `ahead` session iterations have run since (one where the session had nothing
-        scheduled: it only waits for its first submit's tokens), waiting for its tokens if
-        need be: a count rather than the thread's progress, so the same work in the same
-        order makes the same steps (bf16 answers depend on batch composition)
+        scheduled; an idle session waits for the oldest and takes every one due with it),
+        waiting for its tokens if need be: a count rather than the thread's progress, so the
+        same work in the same order makes the same steps (bf16 answers depend on batch
+        composition)
 
 Rejections go to the session's `reject` (its `on_error`); the session's statistics record
 the modes chosen and the widest P.
@@ -74,13 +75,14 @@ class Intake:
 
     def collect(self, iteration: int, wait_all: bool = False, wait_first: bool = False) -> None:
         """Queue the background submits due by `iteration`, in submit order, waiting for their
-        tokens if need be; wait_first: the oldest whatever its due (there is nothing else to
-        run), wait_all: every one."""
-        collected = False
-        while self._tokenizing and (wait_all or (wait_first and not collected)
-                                    or self._tokenizing[0].due <= iteration):
+        tokens if need be; wait_first (there is nothing else to run): the oldest whatever its
+        due, with every one due by then (a worker's first claims, submitted together while the
+        session was idle, start in one step rather than one document an iteration beside
+        decode); wait_all: every one."""
+        if wait_first and self._tokenizing:
+            iteration = max(iteration, self._tokenizing[0].due)
+        while self._tokenizing and (wait_all or self._tokenizing[0].due <= iteration):
             work = self._tokenizing.popleft()
-            collected = True
             try:
                 encoded = work.future.result()
             except Exception as error:  # noqa: BLE001 - bad input fails its own questions

@@ -120,9 +120,9 @@ class EngineSession:
 
         background: render the prompts now and tokenize them on the session's tokenizer
         thread, so that a long document's tokenizing overlaps the steps the GPU runs; the
-        questions join the queue once `tokenize_ahead_iterations` steps have run (one step
-        where nothing was scheduled when they came), or at once when nothing else runs (the
-        rejections found then go to `on_error` too). Returns how
+        questions join the queue once `tokenize_ahead_iterations` steps have run, or with the
+        first step where nothing was scheduled when they came (the rejections found then go to
+        `on_error` too). Returns how
         many questions went to the thread. Where the tokenizer would hold the GIL while it
         works, it tokenizes here as without (engine/intake.py)."""
         check_mode(mode)
