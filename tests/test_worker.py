@@ -217,3 +217,31 @@ def test_after_an_engine_failure_the_next_batches_are_smaller(sqlite_db, add_job
     with sqlite_db.read() as conn:
         assert conn.execute(select(func.count(Answer.id))).scalar_one() == 8
     assert summary.count("done") == 4 and summary.count("queued") > 0  # retried, not lost
+
+
+def test_one_question_jobs_fill_a_batch_by_default(sqlite_db, add_job, engine, monkeypatch):
+    """A job may be a single question (a judge's verdict, one label): with the default
+    options a worker takes as many such jobs as a batch has rows, so they decode together
+    rather than a few dozen at a time."""
+    jobs = 40
+    for i in range(jobs):
+        add_job(sqlite_db, DOC, [f"Is claim {i} in the text?"], name="velm", max_new_tokens=3)
+    widest = [0]
+    make_session = engine.session
+
+    def session(*args, **kwargs):
+        made = make_session(*args, **kwargs)
+        build = made.sched.decode_step
+
+        def logged(requests, **kw):
+            widest[0] = max(widest[0], sum(len(r.streams) for r in requests if r.row >= 0))
+            return build(requests, **kw)
+
+        made.sched.decode_step = logged
+        return made
+
+    monkeypatch.setattr(engine, "session", session)
+    summary = make_worker(sqlite_db, engine, mode="stock").run()
+    assert summary.count("done") == jobs
+    assert engine.config.max_batch_requests >= jobs
+    assert widest[0] == jobs

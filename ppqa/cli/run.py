@@ -27,6 +27,7 @@ import typer
 
 from ppqa.cli.common import MAX_ID, fail, open_store, print_json, say
 from ppqa.modes import check_mode
+from ppqa.worker.options import WorkerOptions
 
 app = typer.Typer()
 
@@ -84,11 +85,12 @@ def run(
              "model's choice when --mode auto picks parallel.")] = None,
     max_jobs: Annotated[int, typer.Option(
         min=1, max=MAX_ID,
-        help="Most jobs taken at once, over one or more documents, e.g. --max-jobs 4.")] = 16,
+        help="Most jobs taken at once, over one or more documents, e.g. --max-jobs 4; claims "
+             "also stop while a batch of requests waits for room.")] = WorkerOptions.max_jobs,
     max_questions: Annotated[int, typer.Option(
         min=1, max=MAX_ID,
         help="Most unanswered questions taken at once (a bigger single job is still taken "
-             "whole), e.g. --max-questions 256.")] = 512,
+             "whole), e.g. --max-questions 256.")] = WorkerOptions.max_questions,
     follow: Annotated[bool, typer.Option(
         "--follow/--once",
         help="--once (the default) drains what is queued and exits; --follow keeps waiting for "
@@ -124,7 +126,6 @@ def run(
 ) -> None:
     from ppqa.engine import precompile  # no torch: helpers start before it loads
     from ppqa.worker.loop import Worker, WorkerError
-    from ppqa.worker.options import WorkerOptions
     from ppqa.store.lookups import has_claimable, waiting_questions
     from ppqa.worker.report import WorkerSummary
     from ppqa.worker.setup import (SetupError, check_device_flags, device_groups, load_engine,

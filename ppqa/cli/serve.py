@@ -14,6 +14,7 @@ import typer
 
 from ppqa.cli.common import fail, open_store, say
 from ppqa.modes import check_mode
+from ppqa.worker.options import WorkerOptions
 
 app = typer.Typer()
 
@@ -52,7 +53,8 @@ def serve(
     mode: Annotated[str, typer.Option(help="--worker: engine mode (auto, parallel, stock, "
                                            "cascade).")] = "auto",
     max_jobs: Annotated[int, typer.Option(
-        min=1, help="--worker: most jobs taken at once, e.g. --max-jobs 4.")] = 16,
+        min=1, help="--worker: most jobs taken at once, e.g. --max-jobs 4.")
+    ] = WorkerOptions.max_jobs,
     lease_seconds: Annotated[float, typer.Option(
         min=1.0, help="--worker: lease of a claimed job (a cancelled job is let go within a "
                       "third of it).")] = 60.0,

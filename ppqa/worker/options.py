@@ -15,7 +15,10 @@ class WorkerOptions:
     device: str = "cpu"
     mode: str = "auto"  # "auto": each job's own mode (auto there: the cost model per document)
     streams: int | str | None = None  # P, "auto" (the cost model's P) or None (engine default)
-    max_jobs: int = 32  # jobs in flight at once (over one or more documents)
+    # Jobs in flight at once (over one or more documents): as many as a batch has rows
+    # (EngineConfig.max_batch_requests), since a job may be one question; the session's room
+    # (worker/loop.Worker._has_room: a batch of requests waiting at most) bounds claims first.
+    max_jobs: int = 256
     max_questions: int = 1024  # unanswered questions in flight (a job is always taken whole)
     follow: bool = False  # keep waiting for new jobs instead of exiting when the queue is empty
     lease_seconds: float = 60.0
