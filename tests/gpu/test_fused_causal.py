@@ -46,6 +46,38 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
     session.close()
 
 
+@pytest.mark.parametrize("model", ["tiny-gqa", "tiny-hd128"])
+def test_a_first_chunk_shape_new_to_the_process_skips_cudnns_plan(model):
+    """The first time a first-chunk shape comes it runs through FlashAttention (cuDNN would
+    build a plan for it); the second time cuDNN takes it; both are causal attention."""
+    from torch.nn.attention import SDPBackend
+
+    tokens = 613  # a length no other test's first chunk has
+    eng = Engine(f"dummy:{model}", device="cuda", dtype="bfloat16",
+                 config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=tokens))
+    cfg = eng.model_config
+    gen = torch.Generator().manual_seed(1)
+    session, doc = pending_document(
+        eng, torch.randint(3, cfg.vocab_size, (tokens + 50,), generator=gen).tolist())
+    first = session.sched.document_chunk(doc)
+    assert first.plain_causal and first.num_tokens == tokens
+    _, meta = eng.parts.runner.prepare(first)
+    backend = eng.parts.backend
+    h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    used = []
+    for _ in range(2):
+        q = torch.randn(tokens, h, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(tokens, hk, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(tokens, hk, d, device="cuda", dtype=torch.bfloat16)
+        got = backend.forward(0, q, k, v, meta)
+        used.append(backend.causal_backend_used)
+        ref = _causal_reference(q, k, v)
+        err = (got.float() - ref).norm() / ref.norm()
+        assert err < 1e-2, err
+    assert used == [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    session.close()
+
+
 def _causal_reference(q, k, v):
     """fp32 causal attention: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
     h, hk, d = q.shape[1], k.shape[1], q.shape[2]

@@ -75,9 +75,10 @@ class TritonBackend:
             scratch_bytes = GPU_SCRATCH_BYTES if self.device.type == "cuda" else CPU_SCRATCH_BYTES
         self.scratch = PartialScratch(scratch_bytes // 4, self.device)
         self._meta: ForwardMetadata | None = None
-        # The fused causal backend that took a document's first chunk: None until tried,
-        # () when none does (see _fused_causal).
+        # The fused causal backends that take a document's first chunk: None until tried,
+        # () when none does, and the one that ran last (see _fused_causal).
         self._causal_backends: tuple | None = None
+        self.causal_backend_used = None
         # Whether cuDNN with its log-sum-exp took a later document chunk: None until tried.
         self._chunk_ok: bool | None = None
         self._plan = StepPlan(1)
@@ -183,24 +184,35 @@ class TritonBackend:
         """A document's first chunk through torch's fused causal attention (cuDNN, else
         FlashAttention), exact attention at the matrix units' rate: 530 TFLOP/s on an 8k
         causal square where the extend kernel runs this shape at 160-170
-        (benchmarks/RESULTS.md, 'Prefill'). bf16/fp16 on a GPU only; False when it does not
-        apply or no fused backend takes the shape, and the extend kernel runs instead."""
+        (benchmarks/RESULTS.md, 'Prefill'). cuDNN builds a plan the first time it meets a
+        shape (38-51 ms, against ~280 TFLOP/s for FlashAttention, which plans nothing:
+        results/h200/sdpa_lengths_s14c1.json), and a first chunk shorter than
+        max_prefill_tokens is a whole document, whose length is seldom met twice; so a shape
+        this process has not run before goes to FlashAttention, and cuDNN plans it when it
+        comes again. bf16/fp16 on a GPU only; False when it does not apply or no fused
+        backend takes the shape, and the extend kernel runs instead."""
         if self._causal_backends == () or not _fusable(q):
             return False
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
         gqa = qh.shape[1] != kh.shape[1]
-        candidates = self._causal_backends or (SDPBackend.CUDNN_ATTENTION,
-                                                SDPBackend.FLASH_ATTENTION)
-        for backend in candidates:
+        working = self._causal_backends or (SDPBackend.CUDNN_ATTENTION,
+                                             SDPBackend.FLASH_ATTENTION)
+        shape = (tuple(q.shape), k.shape[1], q.dtype, q.device)
+        order = working
+        if shape not in _CAUSAL_SHAPES_RUN:
+            _CAUSAL_SHAPES_RUN.add(shape)
+            order = sorted(working, key=lambda b: b != SDPBackend.FLASH_ATTENTION)
+        for backend in order:
             try:
                 with sdpa_kernel(backend):
                     out = torch.nn.functional.scaled_dot_product_attention(
                         qh, kh, vh, is_causal=True, scale=self.sm_scale, enable_gqa=gqa)
             except RuntimeError:
+                working = tuple(b for b in working if b != backend)
                 continue
-            self._causal_backends = (backend,)
+            self._causal_backends, self.causal_backend_used = working, backend
             o.copy_(out[0].transpose(0, 1))
             return True
         self._causal_backends = ()
@@ -279,6 +291,11 @@ class TritonBackend:
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
         merge_partials(part_o, part_lse, o)
+
+
+# The shapes (q's, KV heads, dtype, device) that a first chunk's fused causal attention has
+# run in this process: a new one goes to FlashAttention rather than cuDNN's plan building.
+_CAUSAL_SHAPES_RUN: set[tuple] = set()
 
 
 def _fusable(q: torch.Tensor) -> bool:
