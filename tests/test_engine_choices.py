@@ -216,7 +216,7 @@ def test_a_large_batch_of_choices_is_split_into_bounded_forwards(tmp_path: Path,
         return plan
 
     monkeypatch.setattr("ppqa.engine.runtime.steps.score_layout", spy)
-    monkeypatch.setattr("ppqa.engine.session.split_by_rows",
+    monkeypatch.setattr("ppqa.engine.prefilling.split_by_rows",
                         lambda reqs: scoring.split_by_rows(reqs, cap))
     split = scored(engine, items, tmpl, "parallel")
     assert len(seen) > 1 and sum(n for n, _ in seen) == len(items)

@@ -10,7 +10,8 @@
         more takes them from there.
     step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
               while others decode, so they keep producing tokens; launched, and read at the
-              end of the next iteration, after its decode step is queued)
+              end of the next iteration, after its decode step is queued:
+              engine/prefilling.py)
            -> run: one decode step per kind of request (every width-1 request in one step,
               stock and cascade side by side; parallel requests per width)
            -> postprocess: the step in flight is read back, finished streams become answers
@@ -46,21 +47,20 @@ import torch
 
 from ppqa.engine import scoring
 from ppqa.engine.intake import Intake
-from ppqa.engine.launches import Launched, Prefilled, PrefillTimer, charge_streams
+from ppqa.engine.launches import Launched, Prefilled, charge_streams
 from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
+from ppqa.engine.prefilling import SessionPrefill
 from ppqa.engine.runtime.grammar import fill_later
-from ppqa.engine.runtime.request import Request
 from ppqa.engine.runtime.sampling import FILL, sample
 from ppqa.engine.runtime.scheduler import Scheduler
-from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
-from ppqa.engine.runtime.steps import PlannedStep, score_step
+from ppqa.engine.runtime.steps import PlannedStep
 from ppqa.modes import check_mode
 
 AnswerCallback = Callable[[QuestionRequest, Answer], None]
 ErrorCallback = Callable[[QuestionRequest, Exception], None]
 
 
-class EngineSession:
+class EngineSession(SessionPrefill):
     """A running loop over `engine`: `submit` adds questions, `step` advances the work by one
     iteration, `cancel` drops questions; answers and rejections go to the callbacks."""
 
@@ -69,8 +69,8 @@ class EngineSession:
     # host builds the next step while the masks fill. Off where ranks sample in lockstep.
     defer_masks = True
     # A background submit's questions join the queue once this many iterations have run
-    # since it (one, where the session had nothing scheduled when it came; at once, for the
-    # first, when nothing else runs): a count, not "when its tokens are ready", so
+    # since it (with the next step, where the session had nothing scheduled when it came):
+    # a count, not "when its tokens are ready", so
     # that the same work in the same order makes the same steps (bf16 answers depend on batch
     # composition). A `paper` claim's 16k-token document took 62-75 ms to tokenize, about
     # four of its iterations (results/h200/gprof_paper_auto_s23c1.json,
@@ -218,124 +218,6 @@ class EngineSession:
         self.on_error(req, error)
 
     # ---- schedule, run, postprocess ----------------------------------------------------------
-
-    def _prefill(self, bounded: bool) -> None:
-        """Document chunks, then the questions whose documents are ready; bounded: at most one
-        of each. Launched here and read in `_settle_prefill` (at the end of the next
-        iteration, after its decode step is queued, with `overlap_steps`; at once without),
-        which charges their device time to the streams that waited for them."""
-        sched, stats = self.sched, self.stats
-        while True:
-            docs = sched.pending_documents()
-            if not docs:
-                break
-            doc = docs[0]
-            waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
-            inputs = sched.document_chunk(doc)
-            timer = PrefillTimer(self._cuda)
-            self._run(inputs)
-            self._launched_prefill(Prefilled(timer.stop(), [(s, 1.0) for s in waiting]))
-            stats.steps += 1
-            stats.prefilled_tokens += inputs.num_tokens
-            if bounded:
-                break
-        while True:
-            ready = sched.questions_ready()
-            if not ready:
-                break
-            for batch in split_by_rows([r for r in ready if r.scoring]):
-                self._score(batch)
-            for step in self._question_steps([r for r in ready if not r.scoring]):
-                stats.prefilled_tokens += step.inputs.num_tokens
-                timer = PrefillTimer(self._cuda)
-                launched = self._launch(step, None)
-                streams = [(s, len(s.suffix_ids)) for r in step.requests for s in r.streams]
-                self._launched_prefill(Prefilled(timer.stop(), streams, launched))
-            if bounded:
-                break
-        if not self.engine.config.overlap_steps:
-            self._settle_prefill()
-
-    def _launched_prefill(self, work: Prefilled) -> None:
-        work.iteration = self._iteration
-        self._unsettled.append(work)
-        if not self._cuda:
-            # The CPU ran it in the launch: the step in flight, computed before it, must not
-            # be charged for it when read back.
-            self._last_read = time.perf_counter()
-
-    def _settle_prefill(self, earlier_only: bool = False) -> None:
-        """Wait for the prefill launched so far, in order: charge each its device time (shared
-        by its streams' weights), and read back the first tokens of question prefills (their
-        requests decode from the next step on; answers that end there are delivered).
-        earlier_only: only what earlier iterations launched (the device has run it: the
-        decode step read back since was queued behind it); this iteration's stays queued
-        behind its decode step, and the host goes on to the next iteration meanwhile."""
-        if not self._unsettled:
-            return
-        if earlier_only:
-            done = 0
-            while (done < len(self._unsettled)
-                   and self._unsettled[done].iteration < self._iteration):
-                done += 1
-            unsettled, self._unsettled = self._unsettled[:done], self._unsettled[done:]
-        else:
-            unsettled, self._unsettled = self._unsettled, []
-        for work in unsettled:
-            seconds = work.timer.seconds()
-            self.stats.prefill_s += seconds
-            total = sum(w for _, w in work.streams)
-            for stream, weight in work.streams:
-                stream.prefill_s += seconds * weight / max(total, 1)
-            if work.launched is not None:
-                self._finish(work.launched, charge=False)
-        self._last_read = time.perf_counter()
-
-    def _unread_steps(self) -> set[int]:
-        """Question prefill steps whose tokens are not on the host yet: their requests wait."""
-        return {w.launched.step.uid for w in self._unsettled if w.launched is not None}
-
-    def _score(self, requests: list[Request]) -> None:
-        """Score the choices of ready scoring requests in one extend, answer the questions
-        whose choices are all scored, and free the requests (engine/scoring.py)."""
-        begin = time.perf_counter()
-        cascade = self._grouped_prefill or any(r.mode == "cascade" for r in requests)
-        inputs, plan = score_step(requests, cascade=cascade)
-        logprobs = choice_logprobs(self._run(inputs), plan)  # waits for the device
-        self.stats.steps += 1
-        self.stats.prefilled_tokens += inputs.num_tokens
-        seconds = time.perf_counter() - begin
-        self.stats.prefill_s += seconds
-        if not self._cuda:  # charged to these questions: not to the decode step in flight too
-            self._last_read = time.perf_counter()
-        for req in requests:
-            req.streams[0].prefill_s += seconds * req.prefill_tokens / max(inputs.num_tokens, 1)
-        per_stream: dict[int, list[float]] = {}
-        for (stream, _), lp in zip(plan.choices, logprobs):
-            per_stream.setdefault(id(stream), []).append(lp)
-        self.sched.retire(requests)
-        now = time.perf_counter()
-        for req in requests:
-            stream = req.streams[0]
-            stream.finish_reason = "choice"
-            if stream.cancelled:
-                continue
-            for answer in self._scores.add(stream, per_stream[id(stream)], mode=req.mode,
-                                           latency_s=now - self.started):
-                self._deliver(stream.key, answer)
-
-    def _question_steps(self, ready: list[Request]) -> list[PlannedStep]:
-        """The question prefill of newly ready requests: width-1 requests grouped by document
-        (on a GPU), parallel requests in a stream-masked extend of their own."""
-        narrow = [r for r in ready if r.mode != "parallel"]
-        wide = [r for r in ready if r.mode == "parallel"]
-        steps = []
-        if narrow:
-            cascade = self._grouped_prefill or any(r.mode == "cascade" for r in narrow)
-            steps.append(self.sched.prefill_step(narrow, cascade=cascade))
-        if wide:
-            steps.append(self.sched.prefill_step(wide, cascade=False))
-        return steps
 
     def _decode(self) -> None:
         begin = time.perf_counter()
