@@ -245,3 +245,53 @@ def test_one_question_jobs_fill_a_batch_by_default(sqlite_db, add_job, engine, m
     assert summary.count("done") == jobs
     assert engine.config.max_batch_requests >= jobs
     assert widest[0] == jobs
+
+
+@pytest.mark.parametrize("peers, left_queued", [(1, 0), (2, 2), (4, 3)])
+def test_an_idle_worker_among_peers_claims_its_share(sqlite_db, add_job, engine, monkeypatch,
+                                                     peers, left_queued):
+    """Workers started together (`ppqa run --gpus`) split what waits: an idle worker's first
+    claims stop at its share of the waiting questions, whole documents, at least one."""
+    from tests.helpers import on_each_step
+
+    for i in range(4):
+        add_job(sqlite_db, f"Document {i}. " + DOC, ["Who?", "When?", "Where?"],
+                name=f"d{i}", max_new_tokens=2)
+    queued_at_first_step = []
+
+    def count_queued(n):
+        if n == 1:
+            queued_at_first_step.append(sum(s[0] == "queued" for s in _jobs(sqlite_db).values()))
+
+    on_each_step(monkeypatch, engine, count_queued)
+    summary = make_worker(sqlite_db, engine, peers=peers).run()
+    assert queued_at_first_step == [left_queued]
+    assert summary.count("done") == 4  # alone, it took the rest once its claims were done
+
+
+@pytest.mark.parametrize("peers, queued_while_busy", [(1, 0), (2, 1)])
+def test_a_busy_worker_among_peers_leaves_the_rest_to_its_siblings(
+        sqlite_db, add_job, engine, monkeypatch, peers, queued_while_busy):
+    """A lone worker claims a document an iteration while it has room; among peers, a busy
+    worker claims only below an even share of the questions left (queued, or claimed by any
+    of them), and an idle one takes what is left."""
+    from ppqa.store import queue
+    from tests.helpers import on_each_step
+
+    for i in range(4):
+        add_job(sqlite_db, f"Document {i}. " + DOC, ["Who?", "When?", "Where?"],
+                name=f"d{i}", max_new_tokens=8)
+    sibling = queue.claim_jobs(sqlite_db, "sibling", 60)  # another worker holds a document
+    assert len(sibling) == 1
+    queued = {}
+
+    def count_queued(n):
+        queued[n] = sum(s[0] == "queued" for s in _jobs(sqlite_db).values())
+
+    on_each_step(monkeypatch, engine, count_queued)
+    summary = make_worker(sqlite_db, engine, peers=peers).run()
+    # Its first claims: 2 documents of the 12 questions left among 2 (or all it has room for).
+    assert queued[1] == (0 if peers == 1 else 1)
+    assert queued[4] == queued_while_busy
+    assert summary.count("done") == 3  # idle, it took the last document whatever its share
+    assert _jobs(sqlite_db)[sibling[0].job_id][0] == "running"

@@ -211,6 +211,18 @@ def test_a_worker_per_group_gets_its_devices() -> None:
                                                      "--tensor-parallel", "2"]
 
 
+def test_the_children_of_gpus_each_know_how_many_they_are() -> None:
+    from ppqa.cli.run import _pool_children
+
+    params = {"model": "dummy:tiny-mha", "max_jobs": 8, "follow": True}
+    children = _pool_children([["cpu"], ["cpu"], ["cpu"]], 1, params)
+    assert [c.label for c in children] == ["cpu#0", "cpu#1", "cpu#2"]
+    for child in children:
+        argv = child.argv
+        assert argv[argv.index("--peers") + 1] == "3"
+        assert argv[argv.index("--max-jobs") + 1] == "8" and "--follow" in argv
+
+
 def test_device_groups() -> None:
     assert device_groups(None, None) is None
     assert device_groups("0,1", None) == [["cuda:0"], ["cuda:1"]]

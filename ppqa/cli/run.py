@@ -68,6 +68,10 @@ def run(
     devices: Annotated[str | None, typer.Option(
         "--devices", hidden=True,
         help="torch devices instead of --gpus, e.g. cpu,cpu (tests).")] = None,
+    peers: Annotated[int, typer.Option(
+        "--peers", hidden=True, min=1,
+        help="Workers started together on this queue, for the children of --gpus: an idle "
+             "worker claims its share of the waiting questions.")] = 1,
     progress_events: Annotated[bool, typer.Option(
         "--progress-events", hidden=True,
         help="Progress as JSON lines on stdout, for the parent of --gpus.")] = False,
@@ -162,15 +166,8 @@ def run(
         began = time.perf_counter()
         groups = device_groups(gpus, devices, tensor_parallel, gpu=gpu, device=device)
         if groups is not None and len(groups) > 1:
-            from ppqa.worker.pool import Child
-
-            options = _child_options(ctx.params)
-            labels = ["+".join(g) for g in groups]
-            if len(set(labels)) < len(labels):  # the same device twice (--devices cpu,cpu)
-                labels = [f"{label}#{i}" for i, label in enumerate(labels)]
-            children = [Child(label, ["run", *_device_args(g, tensor_parallel), *options])
-                        for label, g in zip(labels, groups)]
-            return _run_pool(db, model, children, json_out)
+            return _run_pool(db, model, _pool_children(groups, tensor_parallel, ctx.params),
+                             json_out)
         split = groups is not None and len(groups[0]) > 1  # tensor parallelism
         if not split:  # on a GPU whose Triton cache lacks the kernels: compile in parallel
             precompile.start(model, groups[0][0] if groups else
@@ -201,7 +198,8 @@ def run(
     if streams is not None and streams != "auto":
         streams = int(streams)
     options = WorkerOptions(model=model, device=device_name, mode=mode, streams=streams,
-                            max_jobs=max_jobs, max_questions=max_questions, follow=follow,
+                            max_jobs=max_jobs, max_questions=max_questions, peers=peers,
+                            follow=follow,
                             lease_seconds=lease_seconds, max_attempts=max_attempts)
     if progress_events:
         from ppqa.worker.events import EventSink
@@ -264,6 +262,18 @@ def _child_options(params: dict) -> list[str]:
         if params.get(name) is not None:
             args += [f"--{name.replace('_', '-')}", str(params[name])]
     return args + ["--follow" if params["follow"] else "--once", "--progress-events"]
+
+
+def _pool_children(groups: list[list[str]], tensor_parallel: int, params: dict) -> list:
+    """The `ppqa run` children of --gpus: one a device group, each told how many they are."""
+    from ppqa.worker.pool import Child
+
+    options = _child_options(params) + ["--peers", str(len(groups))]
+    labels = ["+".join(g) for g in groups]
+    if len(set(labels)) < len(labels):  # the same device twice (--devices cpu,cpu)
+        labels = [f"{label}#{i}" for i, label in enumerate(labels)]
+    return [Child(label, ["run", *_device_args(g, tensor_parallel), *options])
+            for label, g in zip(labels, groups)]
 
 
 def _device_args(group: list[str], tensor_parallel: int) -> list[str]:

@@ -1,5 +1,6 @@
 """What a worker reads of the queue without claiming anything (store/queue.py claims): the
-answers still to write for queued jobs (its progress total), whether a claim would find a job
+answers still to write for queued jobs (its progress total; with running ones, the work that
+workers started together split), whether a claim would find a job
 (`ppqa run` exits at once on an empty queue), and the newest job id (a following worker's look
 for new jobs between its full claims)."""
 
@@ -12,13 +13,15 @@ from ppqa.store.models import QUEUED, Job, Question
 from ppqa.store.queue import answer_count, claimable
 
 
-def waiting_questions(db: Database, model: str | None = None) -> int:
-    """Answers still to write for queued jobs (that a worker of `model` may take; one per
-    unanswered question, or per missing sample): the part of the queue nobody has claimed
-    yet, for a worker's progress total."""
+def waiting_questions(db: Database, model: str | None = None,
+                      statuses: tuple[str, ...] = (QUEUED,)) -> int:
+    """Answers still to write for jobs in `statuses` (that a worker of `model` may take; one
+    per unanswered question, or per missing sample): for queued jobs, the part of the queue
+    nobody has claimed yet, a worker's progress total; with running ones too, the work left
+    that workers sharing the queue split (`Worker._share`)."""
     stmt = (select(func.coalesce(func.sum(Job.samples - answer_count()), 0))
             .select_from(Question).join(Job, Job.id == Question.job_id)
-            .where(Job.status == QUEUED, answer_count() < Job.samples))
+            .where(Job.status.in_(statuses), answer_count() < Job.samples))
     if model is not None:
         stmt = stmt.where(or_(Job.model.is_(None), Job.model == model))
     with db.read() as conn:

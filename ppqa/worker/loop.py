@@ -39,6 +39,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from ppqa.store import lookups, queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
+from ppqa.store.models import QUEUED, RUNNING
 from ppqa.store.queue import ClaimedJob
 from ppqa.worker.lease import LeaseKeeper
 from ppqa.worker.options import WorkerOptions
@@ -187,7 +188,7 @@ class Worker:
         within about one step's time rather than the whole room's (the GPU would idle
         through the rest); but a job ingested meanwhile is claimed once a look finds it
         (`_job_arrived`, every ARRIVAL_PROBE_SECONDS). An idle session takes all the room it
-        has at once."""
+        has at once. Among `peers`, claims stop at this worker's share (`_share`)."""
         busy, now = bool(self._runs), time.perf_counter()
         if self.stopping or not self._has_room():
             return False
@@ -203,7 +204,9 @@ class Worker:
         # Noted before the claim: a job ingested while it runs has a larger id than this.
         self._seen_job_id = newest
         opts, got_any = self.options, False
-        while not self.stopping and self._has_room() and not (busy and got_any):
+        share = self._share()
+        while (not self.stopping and self._has_room() and not (busy and got_any)
+               and (share is None or self._outstanding() < share or not (busy or got_any))):
             outstanding = self._outstanding()
             try:
                 claims = queue.claim_jobs(
@@ -225,7 +228,22 @@ class Worker:
                 break
             self._start(claims)
             got_any = True
+        if busy and not got_any and share is not None:  # at its share: look again later
+            self._next_claim = time.perf_counter() + ARRIVAL_PROBE_SECONDS
         return got_any
+
+    def _share(self) -> int | None:
+        """Among `peers` workers started together, the questions in flight up to which this
+        one claims: an even share of what is left, queued or claimed by any of them (None:
+        all it has room for). One below it always exists while questions wait, so none is
+        left unclaimed; an idle worker claims a document whatever its share."""
+        if self.options.peers <= 1:
+            return None
+        try:
+            left = lookups.waiting_questions(self.db, self.options.model, (QUEUED, RUNNING))
+        except (SQLAlchemyError, StoreError):
+            return None  # the claim that follows reports a store that stays down
+        return -(-left // self.options.peers)
 
     def _newest_job_id(self) -> int:
         """`lookups.newest_job_id`; on a database blip the last one seen (nothing new): the

@@ -20,6 +20,11 @@ class WorkerOptions:
     # (worker/loop.Worker._has_room: a batch of requests waiting at most) bounds claims first.
     max_jobs: int = 256
     max_questions: int = 1024  # unanswered questions in flight (a job is always taken whole)
+    # Workers started together on this queue (`ppqa run --gpus`: one a device group): each
+    # claims while its questions in flight are below an even share of what is left (queued
+    # or claimed), so that siblings each find work rather than the first ready taking a
+    # batch and a backlog (worker/loop.Worker._share).
+    peers: int = 1
     follow: bool = False  # keep waiting for new jobs instead of exiting when the queue is empty
     lease_seconds: float = 60.0
     max_attempts: int = 3
@@ -30,7 +35,7 @@ class WorkerOptions:
         if self.streams is not None and self.streams != "auto" and (
                 not isinstance(self.streams, int) or self.streams < 1):
             raise ValueError(f"streams must be at least 1 or 'auto', got {self.streams!r}")
-        for name in ("max_jobs", "max_questions", "max_attempts"):
+        for name in ("max_jobs", "max_questions", "max_attempts", "peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.lease_seconds > 0 or not self.poll_seconds > 0:
