@@ -66,17 +66,47 @@ def test_rich_progress_draws_a_bar_per_document_in_flight():
     first, second = _claim(1, 1, 2), _claim(2, 7, 2)
     sink.claimed([first, second])
     sink.answered(first, 3)
-    assert {t.description.strip() for t in sink.bars.tasks} == {"all questions", "doc-1", "doc-7"}
+    assert _shown(sink) == ["all questions", "doc-1", "doc-7"]
     sink.answered(first, 3)
     sink.settled(_outcome(first, "done", 2))
     sink.settled(_outcome(second, "released", 0))
-    assert [t.description.strip() for t in sink.bars.tasks] == ["all questions"]
+    assert _shown(sink) == ["all questions"]
     summary = WorkerSummary("w1", "dummy:tiny-mha", "cpu", [_outcome(first, "done", 2)])
     sink.finished(summary)
     text = out.getvalue()
     assert "worker w1, model dummy:tiny-mha" in text and "1 job done" in text
     assert "job 2 released with 0 answers saved" in text  # unfinished work is reported
     assert "claimed 2 jobs (1, 2) of doc-1, doc-7: 4 questions" in text  # per-job lines too
+
+
+def _shown(sink: RichProgress) -> list[str]:
+    """The progress lines drawn, in order."""
+    return [t.description.strip() for t in sink.bars.tasks if t.visible]
+
+
+def test_many_documents_in_flight_show_a_few_bars_and_a_line_for_the_rest():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120, highlight=False, color_system=None)
+    sink = RichProgress(console, lambda: 0)
+    claims = [_claim(i, i, 2) for i in range(1, 12)]
+    sink.claimed(claims)
+    shown = _shown(sink)
+    bars = run_progress.MAX_DOCUMENT_BARS
+    assert shown == ["all questions", *[f"doc-{i}" for i in range(1, bars + 1)],
+                     f"and {11 - bars} more documents"]
+    # A document that ends gives its bar to the next one waiting to be shown.
+    sink.claimed([_claim(20, 1, 3)])  # a second job of doc-1: its bar's total grows
+    assert next(t.total for t in sink.bars.tasks if t.description.strip() == "doc-1") == 5
+    sink.settled(_outcome(claims[1], "done", 2))
+    shown = _shown(sink)
+    assert "doc-2" not in shown and f"doc-{bars + 1}" in shown
+    assert shown[-1] == f"and {10 - bars} more document{'s' * (10 - bars != 1)}"
+    last = claims[-1]  # past the bars: its answers advance the last line
+    sink.answered(last, 4)
+    assert next(t.completed for t in sink.bars.tasks if t.description.strip().startswith("and")) == 1
+    for claim in claims[2:]:
+        sink.settled(_outcome(claim, "done", 2))
+    assert _shown(sink) == ["all questions", "doc-1"]
 
 
 def test_plain_lines_when_stderr_is_not_a_terminal():

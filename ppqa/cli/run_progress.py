@@ -219,6 +219,11 @@ class _RemainingColumn(ProgressColumn):
         return Text(f"left {_hms(left)}", style="progress.remaining")
 
 
+# Document bars shown at once: a worker may hold dozens of documents (up to a batch of
+# requests and a batch waiting), and one line for the rest keeps the display on a screen.
+MAX_DOCUMENT_BARS = 8
+
+
 class RichProgress(_Base):
     def __init__(self, console: Console, waiting_questions) -> None:
         super().__init__(console, waiting_questions)
@@ -228,8 +233,26 @@ class RichProgress(_Base):
                              self.remaining, console=console, transient=False)
         self.overall = self.bars.add_task("all questions", total=None, rate="")
         self.remaining.overall_id = self.overall
-        self.doc_tasks: dict[int, int] = {}
+        self.doc_tasks: dict[int, int] = {}  # every document in flight, in claim order
+        self.more: int | None = None  # the last line: the documents past the bars, together
         self.bars.start()
+
+    def _show_documents(self) -> None:
+        """The first MAX_DOCUMENT_BARS documents in flight as bars, one bar for the rest."""
+        tasks = {t.id: t for t in self.bars.tasks}
+        hidden = []
+        for i, task in enumerate(self.doc_tasks.values()):
+            self.bars.update(task, visible=i < MAX_DOCUMENT_BARS)
+            if i >= MAX_DOCUMENT_BARS:
+                hidden.append(tasks[task])
+        if self.more is not None:  # drawn again last, after any bar added since
+            self.bars.remove_task(self.more)
+            self.more = None
+        if hidden:
+            self.more = self.bars.add_task(
+                f"  and {len(hidden)} more document{'s' * (len(hidden) != 1)}",
+                total=sum(t.total or 0 for t in hidden),
+                completed=sum(t.completed for t in hidden), rate="")
 
     def _show_totals(self, description: str = "all questions") -> None:
         self.bars.update(self.overall, total=self.counters.total, completed=self.counters.done,
@@ -245,7 +268,9 @@ class RichProgress(_Base):
                 self.doc_tasks[c.document_id] = self.bars.add_task(
                     f"  {c.document_name[:40]}", total=c.answers_wanted, rate="")
             else:
-                self.bars.update(task, total=self.bars.tasks[task].total + c.answers_wanted)
+                total = next(t.total for t in self.bars.tasks if t.id == task)
+                self.bars.update(task, total=total + c.answers_wanted)
+        self._show_documents()
 
     def answered(self, claim, answer_tokens: int) -> None:
         self.counters.answer(claim, answer_tokens)
@@ -254,11 +279,17 @@ class RichProgress(_Base):
         task = self.doc_tasks.get(claim.document_id)
         if task is not None:
             self.bars.advance(task)
+            if self.more is not None and not self._visible(task):
+                self.bars.advance(self.more)
+
+    def _visible(self, task: int) -> bool:
+        return next(t.visible for t in self.bars.tasks if t.id == task)
 
     def settled(self, outcome: JobOutcome) -> None:
         doc_id = outcome.document_id
         if self.counters.settle(outcome, self._waiting()) and doc_id in self.doc_tasks:
             self.bars.remove_task(self.doc_tasks.pop(doc_id))
+            self._show_documents()
         self._show_totals()
         self._print(outcome_line(outcome))
 
@@ -270,6 +301,7 @@ class RichProgress(_Base):
         for task in self.doc_tasks.values():
             self.bars.remove_task(task)
         self.doc_tasks.clear()
+        self._show_documents()
         stopped = f" (stopped by {summary.stopped_by})" if summary.stopped_by else ""
         self._show_totals(f"all questions{stopped}")
         self.bars.stop()
