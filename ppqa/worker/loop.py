@@ -205,8 +205,11 @@ class Worker:
         self._seen_job_id = newest
         opts, got_any = self.options, False
         share = self._share()
+        if busy and share is not None and self._outstanding() >= share:
+            self._next_claim = time.perf_counter() + ARRIVAL_PROBE_SECONDS  # look again soon
+            return False
         while (not self.stopping and self._has_room() and not (busy and got_any)
-               and (share is None or self._outstanding() < share or not (busy or got_any))):
+               and (share is None or not got_any or self._outstanding() < share)):
             outstanding = self._outstanding()
             try:
                 claims = queue.claim_jobs(
@@ -228,8 +231,6 @@ class Worker:
                 break
             self._start(claims)
             got_any = True
-        if busy and not got_any and share is not None:  # at its share: look again later
-            self._next_claim = time.perf_counter() + ARRIVAL_PROBE_SECONDS
         return got_any
 
     def _share(self) -> int | None:
