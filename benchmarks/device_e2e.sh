@@ -116,6 +116,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step bench16k 200 python3 -m ppqa bench --model dummy:codellama-7b --doc-tokens 16384 \
         --questions 256 --max-new-tokens 128 --seeds 0 --streams 64 --modes stock,cascade,auto \
         --cuda-graphs --out "$OUT/bench16k.json" ;;
+    hostthreads)  # the host's step bookkeeping beside a busy tokenizer: torch's threads or one
+      step hostthreads 120 python3 benchmarks/host_threads.py --out "$OUT/host_threads.json" ;;
     cudnnfirst)  # a process's first cuDNN call on the main thread, or after one on another
       step cudnnfirst 120 python3 benchmarks/cudnn_first_call.py --out "$OUT/cudnn_first_call.json" ;;
     suffix)  # the cascade step's suffix attention (each request's own tokens) by tile

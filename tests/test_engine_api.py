@@ -35,6 +35,20 @@ def test_import_ppqa_is_light_and_engine_avoids_store_packages() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_a_cpu_engine_keeps_torchs_threads() -> None:
+    """The model's matrix work runs on the host's intra-op threads: a CPU engine keeps their
+    count (a GPU engine sets one for its bookkeeping, tests/gpu/test_engine_overlap_gpu.py)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        Engine("dummy:tiny-mha", device="cpu")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_unknown_public_name() -> None:
     import ppqa
 

@@ -127,6 +127,12 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
               else config.cuda_graphs)
     config = dataclasses.replace(config, device=str(dev), dtype=dtype_name,
                                  attention_backend=backend_name, cuda_graphs=graphs)
+    if dev.type == "cuda":
+        # Beside a GPU the host's tensor work is bookkeeping of a few thousand elements, which
+        # intra-op threads do not speed up; while the tokenizer's pool holds the cores, an op
+        # that goes parallel waits for them and the GPU idles (benchmarks/host_threads.py;
+        # results/cpu/host_threads.json). Set once the weights are loaded.
+        torch.set_num_threads(1)
     return EngineParts(model_name=model_name, config=config, device=dev, dtype=torch_dtype,
                        model=model, tokenizer=loaded.tokenizer, pool=pool, table=table,
                        docs=DocumentCache(pool.allocator, pool.copy_slots), backend=backend,

@@ -69,3 +69,13 @@ def test_time_charged_on_the_gpu_fits_in_the_session(tmp_path):
     assert all(a.prefill_s > 0 for k, a in got.items() if k[0] == "b")
     charged = sum(a.prefill_s + a.decode_s for a in got.values())
     assert 0 < charged <= wall, (charged, wall)
+
+
+def test_a_gpu_engine_does_its_host_bookkeeping_on_one_thread():
+    """Intra-op threads only make the host's small ops wait for cores the tokenizer's pool
+    holds (benchmarks/host_threads.py); a GPU engine sets one, a CPU engine leaves torch's."""
+    torch.set_num_threads(2)
+    Engine("dummy:tiny-gqa", device="cpu")
+    assert torch.get_num_threads() == 2
+    Engine("dummy:tiny-gqa", device="cuda", config=EngineConfig(mem_fraction=0.05))
+    assert torch.get_num_threads() == 1
