@@ -144,3 +144,29 @@ def test_help_explains_every_option_with_an_example():
                    "--priority", "--json", "--batch", "--force", "--top-p", "--mode", "--model"):
         assert option in ingest_help
     assert "0.1.0" in CliRunner().invoke(app, ["--version"]).stdout
+
+
+def test_run_passes_its_limits_and_peers_to_the_worker(cli, inputs, monkeypatch):
+    """What `ppqa run` is told reaches the worker's options; unsaid, WorkerOptions' defaults."""
+    from ppqa.worker import loop
+    from ppqa.worker.options import WorkerOptions
+
+    seen = []
+    init = loop.Worker.__init__
+
+    def recording(self, db, engine, options, progress=None):
+        seen.append(options)
+        init(self, db, engine, options, progress)
+
+    monkeypatch.setattr(loop.Worker, "__init__", recording)
+    for _ in range(2):
+        cli("ingest", inputs / "doc.txt", inputs / "q.txt", "--force")
+    common = ("run", "--device", "cpu", "--model", "dummy:tiny-mha")
+    cli(*common, "--peers", "3", "--max-jobs", "5", "--max-questions", "40")
+    cli("ingest", inputs / "doc.txt", inputs / "q.txt", "--force")
+    cli(*common)
+    told, unsaid = seen
+    assert (told.peers, told.max_jobs, told.max_questions) == (3, 5, 40)
+    defaults = WorkerOptions()
+    assert (unsaid.peers, unsaid.max_jobs, unsaid.max_questions) == (
+        1, defaults.max_jobs, defaults.max_questions)

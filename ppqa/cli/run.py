@@ -69,9 +69,11 @@ def run(
         "--devices", hidden=True,
         help="torch devices instead of --gpus, e.g. cpu,cpu (tests).")] = None,
     peers: Annotated[int, typer.Option(
-        "--peers", hidden=True, min=1,
-        help="Workers started together on this queue, for the children of --gpus: an idle "
-             "worker claims its share of the waiting questions.")] = 1,
+        "--peers", min=1, max=MAX_ID,
+        help="Workers sharing this queue, e.g. --peers 4 for a worker on each of 4 hosts: "
+             "each claims while its questions in flight are below an even share of those "
+             "left, so the first one ready does not take a short queue. --gpus sets it for "
+             "its workers.")] = 1,
     progress_events: Annotated[bool, typer.Option(
         "--progress-events", hidden=True,
         help="Progress as JSON lines on stdout, for the parent of --gpus.")] = False,

@@ -20,10 +20,10 @@ class WorkerOptions:
     # (worker/loop.Worker._has_room: a batch of requests waiting at most) bounds claims first.
     max_jobs: int = 256
     max_questions: int = 1024  # unanswered questions in flight (a job is always taken whole)
-    # Workers started together on this queue (`ppqa run --gpus`: one a device group): each
-    # claims while its questions in flight are below an even share of what is left (queued
-    # or claimed), so that siblings each find work rather than the first ready taking a
-    # batch and a backlog (worker/loop.Worker._share).
+    # Workers sharing this queue (`ppqa run --peers N`, e.g. one on each of N hosts; `--gpus`
+    # sets it for its workers): each claims while its questions in flight are below an even
+    # share of what is left (queued or claimed), so that the others each find work rather
+    # than the first ready taking a batch and a backlog (worker/loop.Worker._share).
     peers: int = 1
     follow: bool = False  # keep waiting for new jobs instead of exiting when the queue is empty
     lease_seconds: float = 60.0
