@@ -235,16 +235,18 @@ class RichProgress(_Base):
         self.remaining.overall_id = self.overall
         self.doc_tasks: dict[int, int] = {}  # every document in flight, in claim order
         self.more: int | None = None  # the last line: the documents past the bars, together
+        self.hidden: set[int] = set()  # the ids of those documents
         self.bars.start()
 
     def _show_documents(self) -> None:
         """The first MAX_DOCUMENT_BARS documents in flight as bars, one bar for the rest."""
         tasks = {t.id: t for t in self.bars.tasks}
-        hidden = []
-        for i, task in enumerate(self.doc_tasks.values()):
+        hidden, self.hidden = [], set()
+        for i, (doc_id, task) in enumerate(self.doc_tasks.items()):
             self.bars.update(task, visible=i < MAX_DOCUMENT_BARS)
             if i >= MAX_DOCUMENT_BARS:
                 hidden.append(tasks[task])
+                self.hidden.add(doc_id)
         if self.more is not None:  # drawn again last, after any bar added since
             self.bars.remove_task(self.more)
             self.more = None
@@ -279,11 +281,8 @@ class RichProgress(_Base):
         task = self.doc_tasks.get(claim.document_id)
         if task is not None:
             self.bars.advance(task)
-            if self.more is not None and not self._visible(task):
+            if claim.document_id in self.hidden:
                 self.bars.advance(self.more)
-
-    def _visible(self, task: int) -> bool:
-        return next(t.visible for t in self.bars.tasks if t.id == task)
 
     def settled(self, outcome: JobOutcome) -> None:
         doc_id = outcome.document_id

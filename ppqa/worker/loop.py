@@ -86,6 +86,7 @@ class Worker:
         self._claim_on_settle = False  # the last claim was deferred (queue.Claims.deferred)
         self._seen_job_id = 0  # the newest job id before the last claim: a larger one is new
         self._next_probe = 0.0  # perf_counter time of a busy worker's next look for a new job
+        self._shared = (-1.0, 0)  # (perf_counter time, share) of the last `_share` read
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop admitting work; safe from a signal handler or another thread."""
@@ -234,17 +235,23 @@ class Worker:
         return got_any
 
     def _share(self) -> int | None:
-        """Among `peers` workers started together, the questions in flight up to which this
+        """Among `peers` workers sharing the queue, the questions in flight up to which this
         one claims: an even share of what is left, queued or claimed by any of them (None:
         all it has room for). One below it always exists while questions wait, so none is
-        left unclaimed; an idle worker claims a document whatever its share."""
+        left unclaimed; an idle worker claims a document whatever its share. Read from the
+        store at most every ARRIVAL_PROBE_SECONDS: a sum over the whole queue, which a busy
+        worker would otherwise run between every two steps."""
         if self.options.peers <= 1:
             return None
+        now = time.perf_counter()
+        if now - self._shared[0] < ARRIVAL_PROBE_SECONDS:
+            return self._shared[1]
         try:
             left = lookups.waiting_questions(self.db, self.options.model, (QUEUED, RUNNING))
         except (SQLAlchemyError, StoreError):
             return None  # the claim that follows reports a store that stays down
-        return -(-left // self.options.peers)
+        self._shared = (now, -(-left // self.options.peers))
+        return self._shared[1]
 
     def _newest_job_id(self) -> int:
         """`lookups.newest_job_id`; on a database blip the last one seen (nothing new): the
