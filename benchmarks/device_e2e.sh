@@ -126,12 +126,16 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step merge 120 python3 benchmarks/merge_states.py --out "$OUT/merge_states.json" ;;
     gprof)  # GPU seconds by kernel kind in prefill and in decode, through the worker (its second
       # pass profiled): GPROF="WORKLOAD:MODE:MAX_DOCS ...", e.g. "loogle:stock:8 loogle:auto:8";
-      # GPROF_ARGS: more session_timeline.py options, e.g. --trace-cudnn
+      # GPROF_ARGS: more session_timeline.py options, e.g. --trace-cudnn. A fourth field 0
+      # ("labeling:auto:50:0") profiles the first pass of a process that, like `ppqa run` on a
+      # warm Triton cache, ran no warm-up
       for spec in ${GPROF:?}; do
-        IFS=: read -r w m n <<< "$spec"
-        step "gprof_${w}_${m}" 240 python3 benchmarks/session_timeline.py --workload "$w" \
+        IFS=: read -r w m n p <<< "$spec"
+        if [ "${p:-1}" = 0 ]; then tag="${w}_${m}_first"; first="--profile-pass 0 --warmup cold"
+        else tag="${w}_${m}"; first=""; fi
+        step "gprof_$tag" 240 python3 benchmarks/session_timeline.py --workload "$w" \
           --mode "$m" --max-docs "$n" --paths worker,worker --profile-pass 1 \
-          --folder /tmp/gprof --out "$OUT/gprof_${w}_${m}.json" ${GPROF_ARGS:-}
+          --folder "/tmp/gprof_$tag" --out "$OUT/gprof_$tag.json" ${GPROF_ARGS:-} $first
       done ;;
     cgroups)  # one decode step's attention with several documents of few questions (loogle's
       # shape), stock against cascade, contiguous then gathered documents

@@ -334,6 +334,10 @@ def main() -> None:
     ap.add_argument("--sync-check", type=int, default=None, metavar="N",
                     help="count the synchronising CUDA calls of pass N by where they are made "
                          "(torch's sync debug mode; slows the pass)")
+    ap.add_argument("--warmup", choices=("always", "cold"), default="always",
+                    help="'cold' runs no Engine.warmup where the Triton cache holds the model's "
+                         "kernels, as `ppqa run` does by default: pass 0 then shows a fresh "
+                         "process's first use of the GPU libraries")
     ap.add_argument("--folder", default="timeline_work", help="where worker passes keep stores")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="timeline.json")
@@ -341,7 +345,8 @@ def main() -> None:
     workload = get_workload(args.workload)
     fields = {} if args.max_batch_requests is None else {"max_batch_requests": args.max_batch_requests}
     engine = Engine(args.model or workload.model, device=args.device, config=EngineConfig(**fields))
-    warm_s = engine.warmup()
+    skipped = args.warmup == "cold" and engine.kernels_cached()
+    warm_s = 0.0 if skipped else engine.warmup()
     compiles = {"count": 0, "seconds": 0.0, "by_phase_s": defaultdict(float), "kernels": []}
     phase = {"now": "other"}
     try:
