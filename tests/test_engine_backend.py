@@ -218,3 +218,28 @@ def test_flashinfer_backend_refuses_what_it_cannot_run() -> None:
                config=EngineConfig(attention_backend="flashinfer"))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(attention_backend="flashattention")
+
+
+def test_a_first_chunk_shape_goes_to_cudnn_once_flash_has_cost_a_plan(monkeypatch) -> None:
+    """`flash_first` (which fused kernel takes a document's first chunk): FlashAttention until
+    what it has cost over cuDNN's rate reaches one cuDNN plan, then cuDNN for good; a long
+    chunk gets there within its second document of a 32-layer model, a 2k-token one only
+    after many documents of the same length."""
+    from ppqa.engine.attention import triton_backend as tb
+
+    monkeypatch.setattr(tb, "_CAUSAL_FLASH_LOSS", {})
+    heads, head_dim, layers = 32, 128, 32
+    calls = {}
+    for tokens in (2048, 8192):
+        flops = tb.causal_flops(tokens, heads, head_dim)
+        loss = flops * (1 / tb.FLASH_CAUSAL_FLOPS - 1 / tb.CUDNN_CAUSAL_FLOPS)
+        n = 0
+        while tb.flash_first(("test", tokens), flops):
+            n += 1
+            assert n < 100_000
+        assert (n - 1) * loss < tb.CUDNN_PLAN_SECONDS <= n * loss
+        assert not any(tb.flash_first(("test", tokens), flops) for _ in range(3))
+        assert tb.flash_first(("other", tokens), flops)  # each shape pays its own way
+        calls[tokens] = n
+    assert layers < calls[8192] <= 2 * layers
+    assert calls[2048] > 10 * layers

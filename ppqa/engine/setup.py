@@ -1,10 +1,12 @@
 """Building an engine's parts: resolve device, dtype and backend, load the model, size the KV pool.
 
 `build_parts(config, device, dtype, load)` resolves the "auto"/None fields of `EngineConfig`, calls
-`load(device, dtype, seed)` for a `LoadedModel`, builds the model from its weight stream, then sizes
-the KV pool from the remaining memory (GPU: `mem_fraction` of what is free after the weights; CPU:
-`kv_token_budget` tokens), and creates the req_to_token table, the document cache, the attention
-backend (torch, or Triton or FlashInfer imported lazily) and the runner. `Engine` keeps the result.
+`load(device, dtype, seed)` for a `LoadedModel`, builds the model from its weight stream (on a GPU
+while a thread makes the process's first use of Triton, cuBLAS and cuDNN: engine/first_use.py),
+then sizes the KV pool from the remaining memory (GPU: `mem_fraction` of what is free after the
+weights; CPU: `kv_token_budget` tokens), and creates the req_to_token table, the document cache,
+the attention backend (torch, or Triton or FlashInfer imported lazily) and the runner. `Engine`
+keeps the result.
 
 With `tensor_parallel` N > 1 this process is one rank of an initialized torch.distributed group:
 the model is built as this rank's shard (`engine/parallel/tensor_parallel.py`), the KV pool and
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ppqa.config import EngineConfig
+from ppqa.engine import first_use
 from ppqa.engine.devices import resolve_device
 from ppqa.engine.runtime.kv_cache import DocumentCache, KVPool, ReqToTokenTable
 from ppqa.engine.model.llama import LlamaModel, build_model
@@ -43,6 +46,7 @@ class EngineParts:
     backend: object
     runner: ModelRunner
     lockstep: object = None  # engine/parallel/lockstep.Lockstep under tensor parallelism
+    first_use: first_use.FirstUse | None = None  # the GPU libraries' first use, beside loading
 
 
 def _pool_slots(config: EngineConfig, device: torch.device, bytes_per_slot: int) -> int:
@@ -111,8 +115,12 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
     loaded = load(dev, torch_dtype, config.seed)
     if tp is not None:
         tensor_parallel.check_divisible(loaded.config, tp.world)  # before any weight loads
+    mc = loaded.config
+    libraries = first_use.start(dev, torch_dtype, mc.hidden_size, mc.num_heads, mc.head_dim,
+                                mc.rms_norm_eps)
     model = build_model(loaded.config, loaded.weights, device=dev, dtype=torch_dtype,
                         transform=transform)
+    libraries.join()  # before the pool's size is read from the memory free
     mc, kv_heads = model.config, model.layers[0].self_attn.num_kv_heads
     num_slots = _pool_slots(config, dev, KVPool.bytes_per_slot(mc.num_layers, kv_heads,
                                                                mc.head_dim, torch_dtype))
@@ -138,4 +146,4 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
                        docs=DocumentCache(pool.allocator, pool.copy_slots), backend=backend,
                        runner=ModelRunner(model, pool, table, backend, dev,
                                           cuda_graphs=graphs and dev.type == "cuda"),
-                       lockstep=lockstep)
+                       lockstep=lockstep, first_use=libraries)

@@ -71,6 +71,23 @@ def test_time_charged_on_the_gpu_fits_in_the_session(tmp_path):
     assert 0 < charged <= wall, (charged, wall)
 
 
+def test_a_gpu_engine_makes_the_libraries_first_use_while_its_model_builds():
+    """engine/first_use.py: Triton's runtime, cuBLAS, cuDNN and FlashAttention are first used
+    on a thread beside the model's building, which has ended (joined) when the KV pool is
+    sized; the engine then answers as ever. A CPU engine starts no thread."""
+    eng = Engine("dummy:tiny-hd128", device="cuda", dtype="bfloat16",
+                 config=EngineConfig(mem_fraction=0.05))
+    first = eng.parts.first_use
+    assert first.thread is None
+    assert set(first.seconds) == {"triton", "cublas", "cudnn", "flash"}
+    assert not {"triton", "cublas"} & set(first.errors), first.errors
+    got = eng.answer("a short document about first uses", ["what?"],
+                     sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(got) == 1 and got[0].token_ids
+    cpu = Engine("dummy:tiny-gqa", device="cpu").parts.first_use
+    assert cpu.seconds == {} and cpu.thread is None
+
+
 def test_a_gpu_engine_does_its_host_bookkeeping_on_one_thread():
     """Intra-op threads only make the host's small ops wait for cores the tokenizer's pool
     holds (benchmarks/host_threads.py); a GPU engine sets one, a CPU engine leaves torch's."""

@@ -47,11 +47,20 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
 
 
 @pytest.mark.parametrize("model", ["tiny-gqa", "tiny-hd128"])
-def test_a_first_chunk_shape_new_to_the_process_skips_cudnns_plan(model):
-    """The first time a first-chunk shape comes it runs through FlashAttention (cuDNN would
-    build a plan for it); the second time cuDNN takes it; both are causal attention."""
+@pytest.mark.parametrize("plan_seconds", [1e-12, None])
+def test_a_first_chunk_shape_runs_flash_until_it_has_cost_cudnns_plan(model, plan_seconds,
+                                                                     monkeypatch):
+    """A first-chunk shape runs through FlashAttention (cuDNN would build a plan for it) until
+    the time that cost over cuDNN adds up to a plan: with a plan that costs next to nothing,
+    cuDNN takes the second call; with the real plan's cost, a short chunk of a tiny model
+    stays on FlashAttention. Both are causal attention."""
     from torch.nn.attention import SDPBackend
 
+    from ppqa.engine.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "_CAUSAL_FLASH_LOSS", {})
+    if plan_seconds is not None:
+        monkeypatch.setattr(triton_backend, "CUDNN_PLAN_SECONDS", plan_seconds)
     tokens = 613  # a length no other test's first chunk has
     eng = Engine(f"dummy:{model}", device="cuda", dtype="bfloat16",
                  config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=tokens))
@@ -74,7 +83,8 @@ def test_a_first_chunk_shape_new_to_the_process_skips_cudnns_plan(model):
         ref = _causal_reference(q, k, v)
         err = (got.float() - ref).norm() / ref.norm()
         assert err < 1e-2, err
-    assert used == [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    second = SDPBackend.FLASH_ATTENTION if plan_seconds is None else SDPBackend.CUDNN_ATTENTION
+    assert used == [SDPBackend.FLASH_ATTENTION, second]
     session.close()
 
 

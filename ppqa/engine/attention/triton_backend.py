@@ -185,12 +185,10 @@ class TritonBackend:
         FlashAttention), exact attention at the matrix units' rate: 530 TFLOP/s on an 8k
         causal square where the extend kernel runs this shape at 160-170
         (benchmarks/RESULTS.md, 'Prefill'). cuDNN builds a plan the first time it meets a
-        shape (38-51 ms, against ~280 TFLOP/s for FlashAttention, which plans nothing:
-        results/h200/sdpa_lengths_s14c1.json), and a first chunk shorter than
-        max_prefill_tokens is a whole document, whose length is seldom met twice; so a shape
-        this process has not run before goes to FlashAttention, and cuDNN plans it when it
-        comes again. bf16/fp16 on a GPU only; False when it does not apply or no fused
-        backend takes the shape, and the extend kernel runs instead."""
+        shape, and a first chunk shorter than max_prefill_tokens is a whole document, whose
+        length is seldom met twice: which of the two runs a shape is `flash_first`'s choice.
+        bf16/fp16 on a GPU only; False when it does not apply or no fused backend takes the
+        shape, and the extend kernel runs instead."""
         if self._causal_backends == () or not _fusable(q):
             return False
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -201,8 +199,7 @@ class TritonBackend:
                                              SDPBackend.FLASH_ATTENTION)
         shape = (tuple(q.shape), k.shape[1], q.dtype, q.device)
         order = working
-        if shape not in _CAUSAL_SHAPES_RUN:
-            _CAUSAL_SHAPES_RUN.add(shape)
+        if flash_first(shape, causal_flops(*q.shape)):
             order = sorted(working, key=lambda b: b != SDPBackend.FLASH_ATTENTION)
         for backend in order:
             try:
@@ -293,9 +290,38 @@ class TritonBackend:
         merge_partials(part_o, part_lse, o)
 
 
-# The shapes (q's, KV heads, dtype, device) that a first chunk's fused causal attention has
-# run in this process: a new one goes to FlashAttention rather than cuDNN's plan building.
-_CAUSAL_SHAPES_RUN: set[tuple] = set()
+# A first chunk's causal attention: FlashAttention plans nothing and runs at ~280 TFLOP/s;
+# cuDNN runs at ~580 once it holds a plan for the shape, which takes 38-51 ms to build
+# (benchmarks/RESULTS.md, "A first chunk's length"; results/h200/sdpa_lengths_s14c1.json).
+FLASH_CAUSAL_FLOPS = 280e12
+CUDNN_CAUSAL_FLOPS = 580e12
+CUDNN_PLAN_SECONDS = 0.045
+# Per first-chunk shape (q's, KV heads, dtype, device) run in this process: the seconds its
+# FlashAttention calls have cost over cuDNN's rate; None once cuDNN takes it.
+_CAUSAL_FLASH_LOSS: dict[tuple, float | None] = {}
+
+
+def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
+    """Matrix FLOPs of causal attention over `tokens` rows: QK^T and PV over half a square."""
+    return 2.0 * tokens * tokens * heads * head_dim
+
+
+def flash_first(shape: tuple, flops: float) -> bool:
+    """Whether this call of a first-chunk shape goes to FlashAttention before cuDNN. A shape
+    runs through FlashAttention until what that has cost over cuDNN's rate adds up to one of
+    cuDNN's plans, then through cuDNN for good (rent until the rent paid equals the price: at
+    most twice the best choice made knowing how often the shape comes). A 2k-token document of
+    a 7B model, one call a layer, comes ~700 times before cuDNN pays (a length documents
+    seldom share); an 8k chunk, the first chunk of every longer document, within its second
+    document."""
+    lost = _CAUSAL_FLASH_LOSS.get(shape, 0.0)
+    if lost is None:
+        return False
+    if lost >= CUDNN_PLAN_SECONDS:
+        _CAUSAL_FLASH_LOSS[shape] = None
+        return False
+    _CAUSAL_FLASH_LOSS[shape] = lost + flops * (1 / FLASH_CAUSAL_FLOPS - 1 / CUDNN_CAUSAL_FLOPS)
+    return True
 
 
 def _fusable(q: torch.Tensor) -> bool:

@@ -1,0 +1,87 @@
+"""The GPU libraries' first use in a process, on a thread beside the model's loading.
+
+A process's first Triton launch sets up Triton's runtime (its driver module, the backend, the
+launcher), its first GEMM loads cuBLAS, its first fused attention cuDNN and FlashAttention.
+Where the Triton cache already holds the model's kernels, `ppqa run` runs no warm-up, so these
+costs fell inside the first job's prefill while the GPU waited: ~0.48 s at the first Triton
+kernel, ~0.10 s at the first GEMM, in the first pass of a fresh worker
+(results/h200/gprof_labeling_auto_first_s25c1.json, `long_idle_gaps`). `start` makes each of
+these first uses on a thread while the main thread builds the model; `join` waits for it
+before the KV pool is sized from the memory then free. Each library's setup is process-wide;
+cuBLAS's and cuDNN's handles return to torch's pool when the thread ends, and the main thread
+takes them from there. What the thread does never reaches the model: it launches on tensors of
+its own, and a failure there is kept (`FirstUse.errors`) and otherwise ignored, since the same
+call on the main thread raises it where it matters.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class FirstUse:
+    """Seconds each library's first use took on the thread, and what failed."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    thread: threading.Thread | None = None
+
+    def join(self) -> FirstUse:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        return self
+
+
+def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
+          head_dim: int, eps: float) -> FirstUse:
+    """Start the thread on a CUDA device (elsewhere nothing to set up: an empty `FirstUse`).
+    The Triton launch is the model's own RMSNorm variant (its hidden size and dtype), which a
+    warm Triton cache holds, so the thread loads it rather than compiling a new one."""
+    first = FirstUse()
+    if device.type != "cuda":
+        return first
+
+    def step(name, fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the main thread's own call reports it
+            first.errors[name] = f"{type(exc).__name__}: {exc}"
+        first.seconds[name] = time.perf_counter() - t0
+
+    def triton_kernel():
+        from ppqa.kernels.fused import rms_norm
+
+        rms_norm(torch.ones(2, hidden, device=device, dtype=dtype),
+                 torch.ones(hidden, device=device, dtype=dtype), eps)
+
+    def gemm():
+        a = torch.ones(16, hidden, device=device, dtype=dtype)
+        torch.mm(a, a.t())
+
+    def attention(backend_name):
+        def run():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            q = torch.ones(1, num_heads, 16, head_dim, device=device, dtype=dtype)
+            with sdpa_kernel(getattr(SDPBackend, backend_name)):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return run
+
+    def run():
+        with torch.cuda.device(device):
+            step("triton", triton_kernel)
+            step("cublas", gemm)
+            step("cudnn", attention("CUDNN_ATTENTION"))
+            step("flash", attention("FLASH_ATTENTION"))
+            torch.cuda.synchronize(device)
+
+    first.thread = threading.Thread(target=run, name="ppqa-first-use", daemon=True)
+    first.thread.start()
+    return first
