@@ -191,10 +191,14 @@ def run(
         fail(str(exc))
     age = process_age()
     helped = precompile.last_wait
+    first = getattr(getattr(engine, "parts", None), "first_use", None)
+    beside = sum(first.seconds.values()) if first is not None else 0.0
+    notes = ([f"of which {helped[2]:.1f} s waiting for {helped[1]} compile helpers, "
+              f"{helped[0]} finished"] if helped else []) + (
+        [f"the GPU libraries' first use {beside:.1f} s beside it"] if beside else [])
     say((f"ready after {age:.1f} s: " if age is not None else "ready: ")
         + f"torch and the device {loaded - began:.1f} s, model and KV pool {built - loaded:.1f} s"
-        + (f" (of which {helped[2]:.1f} s waiting for {helped[1]} compile helpers, "
-           f"{helped[0]} finished)" if helped else "")
+        + (f" ({'; '.join(notes)})" if notes else "")
         + (f", kernels compiled and graphs captured {warm:.1f} s" if warm else "")
         + (", no warm-up (the Triton cache holds the model's kernels)" if skipped else ""))
     if streams is not None and streams != "auto":
