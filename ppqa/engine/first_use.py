@@ -41,7 +41,8 @@ class FirstUse:
 def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
           head_dim: int, eps: float) -> FirstUse:
     """Start the thread on a CUDA device (elsewhere nothing to set up: an empty `FirstUse`).
-    The Triton launch is the model's own RMSNorm variant (its hidden size and dtype), which a
+    cuDNN and FlashAttention only in bf16/fp16, where the attention backend calls them (they
+    take no other dtype, and torch warns of each it refuses). The Triton launch is the model's own RMSNorm variant (its hidden size and dtype), which a
     warm Triton cache holds, so the thread loads it rather than compiling a new one."""
     first = FirstUse()
     if device.type != "cuda":
@@ -78,8 +79,9 @@ def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
         with torch.cuda.device(device):
             step("triton", triton_kernel)
             step("cublas", gemm)
-            step("cudnn", attention("CUDNN_ATTENTION"))
-            step("flash", attention("FLASH_ATTENTION"))
+            if dtype in (torch.bfloat16, torch.float16):  # the fused kernels' dtypes
+                step("cudnn", attention("CUDNN_ATTENTION"))
+                step("flash", attention("FLASH_ATTENTION"))
             torch.cuda.synchronize(device)
 
     first.thread = threading.Thread(target=run, name="ppqa-first-use", daemon=True)

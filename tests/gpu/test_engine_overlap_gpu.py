@@ -74,7 +74,8 @@ def test_time_charged_on_the_gpu_fits_in_the_session(tmp_path):
 def test_a_gpu_engine_makes_the_libraries_first_use_while_its_model_builds():
     """engine/first_use.py: Triton's runtime, cuBLAS, cuDNN and FlashAttention are first used
     on a thread beside the model's building, which has ended (joined) when the KV pool is
-    sized; the engine then answers as ever. A CPU engine starts no thread."""
+    sized; the engine then answers as ever. An fp32 engine leaves out the fused attentions,
+    which take no fp32; a CPU engine starts no thread."""
     eng = Engine("dummy:tiny-hd128", device="cuda", dtype="bfloat16",
                  config=EngineConfig(mem_fraction=0.05))
     first = eng.parts.first_use
@@ -84,6 +85,9 @@ def test_a_gpu_engine_makes_the_libraries_first_use_while_its_model_builds():
     got = eng.answer("a short document about first uses", ["what?"],
                      sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert len(got) == 1 and got[0].token_ids
+    fp32 = Engine("dummy:tiny-hd128", device="cuda", dtype="float32",
+                  config=EngineConfig(mem_fraction=0.05)).parts.first_use
+    assert set(fp32.seconds) == {"triton", "cublas"} and not fp32.errors, fp32.errors
     cpu = Engine("dummy:tiny-gqa", device="cpu").parts.first_use
     assert cpu.seconds == {} and cpu.thread is None
 
