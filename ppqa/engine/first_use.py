@@ -8,10 +8,11 @@ kernel, ~0.10 s at the first GEMM, in the first pass of a fresh worker
 (results/h200/gprof_labeling_auto_first_s25c1.json, `long_idle_gaps`). `start` makes each of
 these first uses on a thread while the main thread builds the model; `join` waits for it
 before the KV pool is sized from the memory then free. Each library's setup is process-wide;
-cuBLAS's and cuDNN's handles return to torch's pool when the thread ends, and the main thread
-takes them from there. What the thread does never reaches the model: it launches on tensors of
-its own, and a failure there is kept (`FirstUse.errors`) and otherwise ignored, since the same
-call on the main thread raises it where it matters.
+torch keeps cuBLAS's and cuDNN's handles in per-device pools, to which a thread's handles
+return when it ends, so the main thread's first call takes one from there. What the thread
+does never reaches the model: it launches on tensors of its own, and a failure there is kept
+(`FirstUse.errors`) and otherwise ignored, since the same call on the main thread raises it
+where it matters.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
           head_dim: int, eps: float) -> FirstUse:
     """Start the thread on a CUDA device (elsewhere nothing to set up: an empty `FirstUse`).
     cuDNN and FlashAttention only in bf16/fp16, where the attention backend calls them (they
-    take no other dtype, and torch warns of each it refuses). The Triton launch is the model's own RMSNorm variant (its hidden size and dtype), which a
-    warm Triton cache holds, so the thread loads it rather than compiling a new one."""
+    take no other dtype, and torch warns of each it refuses). The Triton launch is the model's
+    own RMSNorm variant (its hidden size and dtype), which a warm Triton cache holds, so the
+    thread loads it rather than compiling a new one."""
     first = FirstUse()
     if device.type != "cuda":
         return first
