@@ -278,6 +278,10 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     session = worker._session
     stats = session.stats
     done = sum(1 for j in summary.jobs if j.status == "done")
+    if not done:
+        failed = [j.error for j in summary.jobs if j.error]
+        raise SystemExit(f"no job of the pass was answered ({len(summary.jobs)} claimed); "
+                         f"first error: {failed[0] if failed else 'none reported'}")
     return t0, tally.calls["decode"], wall, stats, {
         "ingest_s": ingest_s, "jobs_done": done, "jobs": len(summary.jobs),
         "worker_wall_s": summary.wall_seconds, "questions_answered": summary.questions}
