@@ -191,7 +191,7 @@ def run(
         fail(str(exc))
     age = process_age()
     helped = precompile.last_wait
-    first = getattr(getattr(engine, "parts", None), "first_use", None)
+    first = engine.parts.first_use
     beside = sum(first.seconds.values()) if first is not None else 0.0
     notes = ([f"of which {helped[2]:.1f} s waiting for {helped[1]} compile helpers, "
               f"{helped[0]} finished"] if helped else []) + (

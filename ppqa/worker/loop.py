@@ -193,16 +193,15 @@ class Worker:
         busy, now = bool(self._runs), time.perf_counter()
         if self.stopping or not self._has_room():
             return False
-        if busy and now < self._next_claim:  # before the full claim only for a new job
+        early = busy and now < self._next_claim  # before the full claim only for a new job
+        if early:
             if now < self._next_probe:
                 return False
             self._next_probe = now + ARRIVAL_PROBE_SECONDS
-            newest = self._newest_job_id()
-            if newest <= self._seen_job_id:
-                return False
-        else:
-            newest = self._newest_job_id()
         # Noted before the claim: a job ingested while it runs has a larger id than this.
+        newest = self._newest_job_id()
+        if early and newest <= self._seen_job_id:
+            return False
         self._seen_job_id = newest
         opts, got_any = self.options, False
         share = self._share()
