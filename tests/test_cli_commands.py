@@ -146,6 +146,14 @@ def test_help_explains_every_option_with_an_example():
     assert "0.1.0" in CliRunner().invoke(app, ["--version"]).stdout
 
 
+def test_the_command_list_gives_each_command_its_summary_alone():
+    """`ppqa --help` lists a command by its help's first paragraph: the examples that follow
+    must sit in a paragraph of their own, not run into that line."""
+    listing = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout
+    assert "run " in listing and "serve " in listing
+    assert "Examples" not in listing
+
+
 def test_run_passes_its_limits_and_peers_to_the_worker(cli, inputs, monkeypatch):
     """What `ppqa run` is told reaches the worker's options; unsaid, WorkerOptions' defaults."""
     from ppqa.worker import loop

@@ -33,6 +33,7 @@ app = typer.Typer()
 
 
 EXAMPLES = """
+
 Examples:
 
   ppqa run --once --device cpu

@@ -19,6 +19,7 @@ from ppqa.worker.options import WorkerOptions
 app = typer.Typer()
 
 EXAMPLES = """
+
 Examples:
 
   ppqa serve --worker --device cpu --model smollm2
