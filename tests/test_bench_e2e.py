@@ -165,6 +165,23 @@ def test_tiny_e2e_runs_through_the_cli_with_identical_answers(tmp_path):
     assert again.exit_code == 0 and "| tiny | tiny-gqa | stock |" in again.stdout
 
 
+def test_a_run_whose_jobs_failed_is_a_failed_run_that_says_why(tmp_path):
+    """A worker that fails every job (here a KV pool too small for the documents) exits 0 with
+    no answers; its times compare with nothing, so the run is failed with a job's own error."""
+    out = tmp_path / "e2e.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--e2e", "tiny", "--device", "cpu", "--modes", "stock", "--passes", "1",
+        "--run-args", "--kv-tokens 64", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (bench,) = json.loads(out.read_text())["workloads"]
+    (run,) = bench["runs"]
+    assert run["rc"] == 0 and run["jobs_by_status"] == {"failed": 3} and run["questions"] == 0
+    assert run["error"].startswith("3 of 3 jobs failed, e.g. job 1: ")
+    assert "KV pool" in run["error"]
+    assert "failed: 3 of 3 jobs failed" in result.output
+    assert bench["summary"]["stock"]["failed"] == 1 and bench["summary"]["stock"]["runs"] == 0
+
+
 def test_arrivals_feed_a_following_worker_and_report_latency(tmp_path):
     out = tmp_path / "arrivals.json"
     result = CliRunner().invoke(app, [

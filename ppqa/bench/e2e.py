@@ -34,6 +34,7 @@ from pathlib import Path
 from ppqa.bench import e2e_report
 from ppqa.bench.floor import floor_seconds, workload_documents
 from ppqa.bench.workloads import Jobs, describe, get_workload, make_jobs, write_batch
+from ppqa.store.status import FAILED
 
 E2E_MODES = ("stock", "auto", "cascade", "parallel")
 TICK_SECONDS = 1.0  # arrivals: the longest wait between looks at the clock
@@ -183,6 +184,10 @@ class Runner:
         else:  # ingest-to-answer latency means something only while jobs arrive
             figures = {k: v for k, v in figures.items() if not k.startswith(("latency", "span"))}
         record.update(figures)
+        failed = figures["jobs_by_status"].get(FAILED, 0)
+        if failed:  # fewer answers than the other modes': its times compare with nothing
+            record["error"] = (f"{failed} of {figures['jobs']} jobs failed, e.g. "
+                               f"{figures['first_failure']}")
         if record["run_s"] is not None:
             record["setup_s"] = record["process_s"] - record["run_s"]
             record["worker_s"] = record["run_s"] - record["engine_s"]

@@ -1,7 +1,7 @@
 """What `ppqa bench --e2e` reads back after each run, and how it sums the runs up.
 
 `store_figures(db_path, started_utc)` reads one run's store (SQLite file): the first claim
-(start-up = first claim - process start), the reports' prefill and decode seconds and peak
+(start-up = first claim - process start), the jobs by status and the first failed job's error, the reports' prefill and decode seconds and peak
 memory, the answers' counts and finish reasons, and each job's latency from its ingest
 (`jobs.created_at`) to its last answer (`answers.created_at`); `all_settled` tells the arrivals
 run when to stop its worker. `summarize` turns the runs of a
@@ -24,13 +24,15 @@ def store_figures(db_path: Path, started_utc: datetime) -> dict:
     from sqlalchemy import func, select
 
     from ppqa.store.db import open_db
-    from ppqa.store.models import Answer, Job, Question, Report
+    from ppqa.store.models import FAILED, Answer, Job, Question, Report
 
     db = open_db(db_path)
     try:
         with db.read() as conn:
             first_claim = conn.execute(select(func.min(Job.started_at))).scalar()
             statuses = dict(conn.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+            failure = conn.execute(select(Job.id, Job.error).where(Job.status == FAILED)
+                                   .order_by(Job.id).limit(1)).first()
             per_job = conn.execute(
                 select(Job.created_at, func.max(Answer.created_at), func.count(Answer.id))
                 .join(Question, Question.job_id == Job.id)
@@ -55,6 +57,7 @@ def store_figures(db_path: Path, started_utc: datetime) -> dict:
     out = {
         "startup_s": (first_claim - started_utc).total_seconds() if first_claim else None,
         "jobs": sum(statuses.values()), "jobs_by_status": statuses,
+        "first_failure": f"job {failure.id}: {failure.error}" if failure else None,
         "questions": answers[0], "answer_tokens": int(answers[1] or 0),
         "finish_reasons": finish, "reports": len(reports), "resolved_modes": resolved,
         "prefill_s": prefill, "decode_s": decode, "engine_s": prefill + decode,

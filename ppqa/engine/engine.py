@@ -299,7 +299,8 @@ class Engine:
         if need > self.kv_capacity:
             return PromptTooLongError(
                 f"{what} do not fit the KV pool, which holds {self.kv_capacity} tokens per request; "
-                f"raise EngineConfig.kv_token_budget (CPU) or mem_fraction (GPU)",
+                f"raise EngineConfig.kv_token_budget on the CPU or mem_fraction on a GPU "
+                f"(ppqa run --kv-tokens, --mem-fraction)",
                 needed=need, available=self.kv_capacity)
         return None
 
