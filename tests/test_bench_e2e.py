@@ -4,7 +4,6 @@ dummy+bpe model, the summary maths, a tiny end-to-end run through the CLI on the
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -268,9 +267,9 @@ def test_answer_variants_draw_the_same_questions_and_ingest_as_batch_lines(tmp_p
     letters = w.make_jobs(w.WORKLOADS["quality-letters"], tok, max_docs=1)
     text = w.make_jobs(w.WORKLOADS["quality"], tok, max_docs=1)
     assert choices.documents == letters.documents == text.documents
-    for c, l, t in zip(choices.jobs, letters.jobs, text.jobs):
+    for c, lt, t in zip(choices.jobs, letters.jobs, text.jobs):
         assert [q for _, q in c.questions] == [q for _, q in t.questions]
-        for (_, shown), (_, asked), options in zip(l.questions, c.questions, c.choices):
+        for (_, shown), (_, asked), options in zip(lt.questions, c.questions, c.choices):
             assert len(options) == 4 == len(set(options))
             assert shown == asked + "".join(f"\n{k}. {o}" for k, o in zip("ABCD", options))
     expected = {"quality-choices": {}, "labeling-json": {"json_schema": w.JSON_SCHEMA},

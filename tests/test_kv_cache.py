@@ -154,7 +154,7 @@ def test_document_cache_shares_refcounts_and_evicts_least_recently_used() -> Non
     docs = DocumentCache(alloc)
     a = docs.insert(list(range(10)))
     b = docs.insert(list(range(100, 110)))
-    c = docs.insert(list(range(200, 205)))
+    docs.insert(list(range(200, 205)))
     assert a.slots.tolist() == list(range(1, 11)) and alloc.num_free == 5
     assert docs.get(list(range(10))) is a  # lookup by content
     docs.acquire(a)

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, func, insert, select, update
 from ppqa.store.db import Database
 from ppqa.store.errors import InputError, StoreError
 from ppqa.files.inputs import QuestionInput, read_template
-from ppqa.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, Answer, Document, Job,
+from ppqa.store.models import (CANCELLED, FAILED, QUEUED, RUNNING, Document, Job,
                                Question)
 from ppqa.store.params import GenerationParams
 from ppqa.store.queue import answer_count

@@ -3,7 +3,6 @@ with stream id -1, one stream per choice) and the cascade prefill of per-choice 
 the log-probabilities of `stock` on the torch reference backend. Under the CPU interpreter the
 run is kept small; on a GPU the document is longer and there are more questions."""
 
-import pytest
 import torch
 from checks import ON_GPU
 
