@@ -243,3 +243,15 @@ def test_a_first_chunk_shape_goes_to_cudnn_once_flash_has_cost_a_plan(monkeypatc
         calls[tokens] = n
     assert layers < calls[8192] <= 2 * layers
     assert calls[2048] > 10 * layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_use_thread_step_ops_run_and_compute(dtype) -> None:
+    """engine/first_use.py's `step_ops` (launched on a GPU to load those kernels beside the
+    model's building) are valid ops of the runner's dtypes: here on the CPU, with their value."""
+    from ppqa.engine import first_use
+
+    out = first_use.step_ops(torch.device("cpu"), dtype, vocab=50)
+    # argmax of equal logits 0, the dtype's add 2 x 8 x 2 = 32, the table's rows 0 and 1
+    assert out.tolist() == [32, 33]
+    assert first_use.start(torch.device("cpu"), dtype, 64, 4, 16, 1e-5, 50).seconds == {}

@@ -6,10 +6,16 @@ Where the Triton cache already holds the model's kernels, `ppqa run` runs no war
 costs fell inside the first job's prefill while the GPU waited: ~0.48 s at the first Triton
 kernel, ~0.10 s at the first GEMM, in the first pass of a fresh worker
 (results/h200/gprof_labeling_auto_first_s25c1.json, `long_idle_gaps`). `start` makes each of
-these first uses on a thread while the main thread builds the model; `join` waits for it
-before the KV pool is sized from the memory then free. Each library's setup is process-wide;
-torch keeps cuBLAS's and cuDNN's handles in per-device pools, to which a thread's handles
-return when it ends, so the main thread's first call takes one from there. What the thread
+these first uses on a thread while the main thread builds the model, and launches the small
+torch ops a step's inputs go through (int64 index arithmetic, a table write, the greedy argmax
+over float32 logits, an add in the model's dtype): with CUDA's lazy loading each kernel
+function loads at its first launch, 5-19 ms apiece, ~70 ms in all in a fresh worker's first
+prefill (results/h200/gprof_labeling_auto_first_s25c2.json, `long_idle_gaps`: `clamp`,
+`index_copy_`, `to`, `ge`, `argmax`, `add`, `arange`), and a function loaded on one thread
+serves them all. `join` waits for the thread before the KV pool is sized from the memory then
+free. Each library's setup is process-wide; torch keeps cuBLAS's and cuDNN's handles in
+per-device pools, to which a thread's handles return when it ends, so the main thread's first
+call takes one from there. What the thread
 does never reaches the model: it launches on tensors of its own, and a failure there is kept
 (`FirstUse.errors`) and otherwise ignored, since the same call on the main thread raises it
 where it matters.
@@ -39,8 +45,22 @@ class FirstUse:
         return self
 
 
+def step_ops(device: torch.device, dtype: torch.dtype, vocab: int) -> torch.Tensor:
+    """The ops of a step's input preparation and greedy pick (engine/runtime/runner.py,
+    runtime/kv_cache.py, runtime/sampling.py) on a few elements of the same dtypes, so that
+    their kernels are loaded before a step needs them; returns a result to read back."""
+    ids = torch.arange(8, device=device)  # int64, as the runner's packed inputs
+    src = torch.where(ids >= 0, ids[ids.clamp(min=0)], torch.zeros_like(ids))
+    table = torch.zeros(16, dtype=torch.int32, device=device)
+    table.index_copy_(0, src, src.to(torch.int32))
+    table[ids] = ids.to(torch.int32)
+    logits = torch.ones(2, vocab, device=device)  # float32, as the runner's
+    hidden = torch.ones(2, 8, device=device, dtype=dtype)
+    return logits.argmax(dim=-1) + (hidden + hidden).float().sum().long() + table[:2].long()
+
+
 def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
-          head_dim: int, eps: float) -> FirstUse:
+          head_dim: int, eps: float, vocab: int) -> FirstUse:
     """Start the thread on a CUDA device (elsewhere nothing to set up: an empty `FirstUse`).
     cuDNN and FlashAttention only in bf16/fp16, where the attention backend calls them (they
     take no other dtype, and torch warns of each it refuses). The Triton launch is the model's
@@ -81,6 +101,7 @@ def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
         with torch.cuda.device(device):
             step("triton", triton_kernel)
             step("cublas", gemm)
+            step("torch_ops", lambda: step_ops(device, dtype, vocab))
             if dtype in (torch.bfloat16, torch.float16):  # the fused kernels' dtypes
                 step("cudnn", attention("CUDNN_ATTENTION"))
                 step("flash", attention("FLASH_ATTENTION"))

@@ -117,7 +117,7 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
         tensor_parallel.check_divisible(loaded.config, tp.world)  # before any weight loads
     mc = loaded.config
     libraries = first_use.start(dev, torch_dtype, mc.hidden_size, mc.num_heads, mc.head_dim,
-                                mc.rms_norm_eps)
+                                mc.rms_norm_eps, mc.vocab_size)
     model = build_model(loaded.config, loaded.weights, device=dev, dtype=torch_dtype,
                         transform=transform)
     libraries.join()  # before the pool's size is read from the memory free
