@@ -1,11 +1,11 @@
 """What `ppqa bench --e2e` reads back after each run, and how it sums the runs up.
 
 `store_figures(db_path, started_utc)` reads one run's store (SQLite file): the first claim
-(start-up = first claim - process start), the jobs by status and the first failed job's error, the reports' prefill and decode seconds and peak
-memory, the answers' counts and finish reasons, and each job's latency from its ingest
-(`jobs.created_at`) to its last answer (`answers.created_at`); `all_settled` tells the arrivals
-run when to stop its worker. `summarize` turns the runs of a
-workload into per-mode means and speedups over stock (geometric mean over passes of stock/mode
+(start-up = first claim - process start), the jobs by status and the first failed job's
+error, the reports' prefill and decode seconds and peak memory, the answers' counts and finish
+reasons, and each job's latency from its ingest (`jobs.created_at`) to its last answer
+(`answers.created_at`); `all_settled` tells the arrivals run when to stop its worker.
+`summarize` turns the runs of a workload into per-mode means and speedups over stock (geometric mean over passes of stock/mode
 on process wall and run wall); `markdown_table` and `plot_speedups` render the results JSON.
 """
 

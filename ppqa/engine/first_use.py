@@ -15,10 +15,9 @@ prefill (results/h200/gprof_labeling_auto_first_s25c2.json, `long_idle_gaps`: `c
 serves them all. `join` waits for the thread before the KV pool is sized from the memory then
 free. Each library's setup is process-wide; torch keeps cuBLAS's and cuDNN's handles in
 per-device pools, to which a thread's handles return when it ends, so the main thread's first
-call takes one from there. What the thread
-does never reaches the model: it launches on tensors of its own, and a failure there is kept
-(`FirstUse.errors`) and otherwise ignored, since the same call on the main thread raises it
-where it matters.
+call takes one from there. What the thread does never reaches the model: it launches on
+tensors of its own, and a failure there is kept (`FirstUse.errors`) and otherwise ignored,
+since the same call on the main thread raises it where it matters.
 """
 
 from __future__ import annotations
