@@ -5,8 +5,9 @@
 error, the reports' prefill and decode seconds and peak memory, the answers' counts and finish
 reasons, and each job's latency from its ingest (`jobs.created_at`) to its last answer
 (`answers.created_at`); `all_settled` tells the arrivals run when to stop its worker.
-`summarize` turns the runs of a workload into per-mode means and speedups over stock (geometric mean over passes of stock/mode
-on process wall and run wall); `markdown_table` and `plot_speedups` render the results JSON.
+`summarize` turns the runs of a workload into per-mode means and speedups over stock
+(geometric mean over passes of stock/mode on process wall and run wall); `markdown_table` and
+`plot_speedups` render the results JSON.
 """
 
 from __future__ import annotations
