@@ -152,6 +152,7 @@ def test_tiny_e2e_runs_through_the_cli_with_identical_answers(tmp_path):
         assert run["worker_s"] >= 0  # no second counted twice in the jobs' reports
         assert run["answers_per_s"] == pytest.approx(12 / run["process_s"])
         assert run["jobs_by_status"] == {"done": 3}
+        assert not [k for k in run if k.startswith("latency")]  # up front: no arrivals
     assert bench["runs"][1]["resolved_modes"] == {"parallel/P=4": 3}
     par = bench["summary"]["parallel"]
     assert par["answers_match_stock"] == par["answers_compared"] == 24  # greedy fp32: identical
@@ -192,6 +193,8 @@ def test_arrivals_feed_a_following_worker_and_report_latency(tmp_path):
     assert run["rc"] == 130 and run["worker_summary"]["stopped_by"] == "SIGINT"
     assert run["questions"] == 12 and run["jobs_by_status"] == {"done": 3}
     assert 0 < run["latency_p50_s"] <= run["latency_p95_s"] <= run["latency_max_s"]
+    assert len(run["latency_by_job_s"]) == 3 and max(run["latency_by_job_s"]) == pytest.approx(
+        run["latency_max_s"], abs=1e-4)
     assert run["throughput_answers_per_s"] > 0 and run["ingest_ticks"] >= 2
 
 

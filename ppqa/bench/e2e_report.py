@@ -37,7 +37,8 @@ def store_figures(db_path: Path, started_utc: datetime) -> dict:
             per_job = conn.execute(
                 select(Job.created_at, func.max(Answer.created_at), func.count(Answer.id))
                 .join(Question, Question.job_id == Job.id)
-                .outerjoin(Answer, Answer.question_id == Question.id).group_by(Job.id)).all()
+                .outerjoin(Answer, Answer.question_id == Question.id).group_by(Job.id)
+                .order_by(Job.id)).all()
             answers = conn.execute(select(func.count(Answer.id), func.sum(Answer.token_count))).one()
             finish = dict(conn.execute(select(Answer.finish_reason, func.count())
                                        .group_by(Answer.finish_reason)).all())
@@ -66,6 +67,9 @@ def store_figures(db_path: Path, started_utc: datetime) -> dict:
         "peak_memory_gib": round(peak / GIB, 2) if peak else None,
         "latency_p50_s": _percentile(latencies, 50), "latency_p95_s": _percentile(latencies, 95),
         "latency_max_s": max(latencies, default=None),
+        # each answered job's, in ingest order: whether the slow ones are the first (a fresh
+        # worker's first uses) or spread (steps shared with other jobs)
+        "latency_by_job_s": [round(x, 4) for x in latencies],
     }
     if created and last_answer:
         out["span_s"] = (last_answer - min(created)).total_seconds()  # first ingest to last answer
