@@ -219,6 +219,47 @@ def test_after_an_engine_failure_the_next_batches_are_smaller(sqlite_db, add_job
     assert summary.count("done") == 4 and summary.count("queued") > 0  # retried, not lost
 
 
+def test_answers_delivered_before_an_engine_failure_are_kept(sqlite_db, add_job):
+    """An engine step that fails after delivering answers (the step read back, then the next
+    launch ran out of memory): those answers are written, a job they complete is done, and
+    the retry computes only what is still unanswered: no question is answered twice."""
+    from ppqa.engine.engine import Engine
+
+    class FailingOnceEngine(Engine):
+        def session(self, *args, on_answer=None, **kwargs):
+            def counted(req, answer):
+                self.delivered.append(req.key)
+                on_answer(req, answer)
+
+            session = super().session(*args, on_answer=counted, **kwargs)
+            step = session.step
+
+            def step_that_fails_once():
+                before = len(self.delivered)
+                out = step()
+                if len(self.delivered) > before and not self.failed:
+                    self.failed = True
+                    raise RuntimeError("CUDA out of memory (simulated)")
+                return out
+
+            session.step = step_that_fails_once
+            return session
+
+    short = add_job(sqlite_db, DOC, ["Q1?"], max_new_tokens=1, seed=1)
+    long = add_job(sqlite_db, "Another harbor. " + DOC, ["Q2?", "Q3?"], max_new_tokens=6, seed=2)
+    engine = FailingOnceEngine(MODEL, device="cpu")
+    engine.delivered, engine.failed = [], False
+    summary = make_worker(sqlite_db, engine, max_attempts=3).run()
+
+    assert engine.failed
+    assert {job: status for job, (status, *_) in _jobs(sqlite_db).items()} == {
+        short: "done", long: "done"}
+    with sqlite_db.read() as conn:
+        assert conn.execute(select(func.count(Answer.id))).scalar_one() == 3
+    assert len(engine.delivered) == len(set(engine.delivered)) == 3  # none computed twice
+    assert summary.count("done") == 2
+
+
 def test_one_question_jobs_fill_a_batch_by_default(sqlite_db, add_job, engine, monkeypatch):
     """A job may be a single question (a judge's verdict, one label): with the default
     options a worker takes as many such jobs as a batch has rows, so they decode together

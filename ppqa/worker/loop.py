@@ -24,8 +24,9 @@ The worker knows nothing of terminals: it tells a `ProgressSink` what happens (t
 that with Rich or log lines) and returns a `WorkerSummary`. `request_stop()` (the CLI calls it
 on SIGINT/SIGTERM) stops admitting work; the session drops what is in flight, finished jobs are
 settled and unfinished ones released, so a stopped worker leaves no job running. If the engine
-itself fails (e.g. out of memory), every job in flight is failed for a retry, the session starts
-afresh, and the in-flight limits halve; they grow back as jobs finish.
+itself fails (e.g. out of memory), the answers it delivered first are written, every job in
+flight they do not complete is failed for a retry, the session starts afresh, and the in-flight
+limits halve; they grow back as jobs finish.
 """
 
 from __future__ import annotations
@@ -317,6 +318,21 @@ class Worker:
     def _write_and_settle(self, limit: int | None = None) -> bool:
         """Write the finished answers in one transaction and end the jobs that are complete
         (at most `limit` of them; None: all); True if a job finished well."""
+        self._write_answers()
+        finished_well = False
+        for run in [r for r in self._runs.values() if r.settleable][:limit]:
+            outcome = self._settle(run)
+            finished_well |= outcome is not None and outcome.status == "done"
+            if self._claim_on_settle:  # the room a waiting document needs may be here now
+                self._next_claim, self._claim_on_settle = 0.0, False
+        if finished_well:
+            self.max_jobs = min(self.options.max_jobs, self.max_jobs * 2)
+            self.max_questions = min(self.options.max_questions, self.max_questions * 2)
+        return finished_well
+
+    def _write_answers(self) -> None:
+        """The answers delivered since the last write, in one transaction; where it fails, each
+        keeps a second try when its job settles (`JobRun.unsaved`)."""
         if self._answers:
             batch, self._answers = self._answers, []
             rows = [answer_row(wanted, a) for _, wanted, a in batch]
@@ -334,16 +350,6 @@ class Worker:
                 else:
                     run.unsaved.append((wanted, answer, None))
                     run.outstanding.discard(wanted)
-        finished_well = False
-        for run in [r for r in self._runs.values() if r.settleable][:limit]:
-            outcome = self._settle(run)
-            finished_well |= outcome is not None and outcome.status == "done"
-            if self._claim_on_settle:  # the room a waiting document needs may be here now
-                self._next_claim, self._claim_on_settle = 0.0, False
-        if finished_well:
-            self.max_jobs = min(self.options.max_jobs, self.max_jobs * 2)
-            self.max_questions = min(self.options.max_questions, self.max_questions * 2)
-        return finished_well
 
     def _settle(self, run: JobRun, *, released_ok: bool = False) -> JobOutcome | None:
         """End one job: finished, failed (retried or not), released or lost."""
@@ -384,14 +390,15 @@ class Worker:
         return outcome
 
     def _crash(self, exc: Exception) -> None:
-        """The engine failed: every job in flight fails for a retry, and a new session starts
-        with halved limits."""
+        """The engine failed: the answers it delivered before failing are written, every job
+        in flight that they do not complete fails for a retry (which runs only its unanswered
+        questions), and a new session starts with halved limits."""
         crash = f"engine error: {type(exc).__name__}: {exc}"
         self.summary.last_error = crash
         self._session.close()
-        self._answers.clear()
+        self._write_answers()
         for run in list(self._runs.values()):
-            if run.error is None:
+            if run.error is None and not run.complete:
                 run.error = crash
             self._settle(run)
         self.max_jobs = max(1, self.max_jobs // 2)
