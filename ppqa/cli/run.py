@@ -192,8 +192,7 @@ def run(
         fail(str(exc))
     age = process_age()
     helped = precompile.last_wait
-    first = engine.parts.first_use
-    beside = sum(first.seconds.values()) if first is not None else 0.0
+    beside = sum(engine.parts.first_use.seconds.values())
     notes = ([f"of which {helped[2]:.1f} s waiting for {helped[1]} compile helpers, "
               f"{helped[0]} finished"] if helped else []) + (
         [f"the GPU libraries' first use {beside:.1f} s beside it"] if beside else [])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,7 +46,8 @@ class EngineParts:
     backend: object
     runner: ModelRunner
     lockstep: object = None  # engine/parallel/lockstep.Lockstep under tensor parallelism
-    first_use: first_use.FirstUse | None = None  # the GPU libraries' first use, beside loading
+    # the GPU libraries' first use, beside loading (empty where none was made)
+    first_use: first_use.FirstUse = field(default_factory=first_use.FirstUse)
 
 
 def _pool_slots(config: EngineConfig, device: torch.device, bytes_per_slot: int) -> int:
