@@ -387,7 +387,7 @@ def test_documents_stay_one_run_through_a_long_session_of_a_full_pool(tmp_path: 
     own slots come from the far end and a new document evicts for a run, so every document is
     one run of slots (read at affine addresses; first fit alone gathered 7 of these 24), and
     the answers stay stock's."""
-    from ppqa.engine.runtime.kv_cache import DocumentCache
+    from ppqa.engine.runtime.document_cache import DocumentCache
 
     starts: list[int] = []
     insert = DocumentCache.insert

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppqa.engine.runtime.kv_cache import DocumentCache, KVPool, ReqToTokenTable, SlotAllocator
+from ppqa.engine.runtime.document_cache import DocumentCache
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable, SlotAllocator
 
 
 def test_allocator_is_contiguous_first_fit_and_never_hands_out_the_sink() -> None:

@@ -29,7 +29,7 @@ from ppqa.engine.launches import Tokenizing
 from ppqa.engine.outputs import QuestionRequest, RunStats
 from ppqa.engine.prepare import (choose_plan, group_streams, make_requests, prepare_groups,
                                  render_groups)
-from ppqa.engine.runtime.kv_cache import document_key
+from ppqa.engine.runtime.document_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.scheduler import Scheduler
 

@@ -27,7 +27,7 @@ from ppqa.engine.outputs import InvalidRequestError, PromptTooLongError, Questio
 from ppqa.engine.loading.tokenizer import PromptTexts
 from ppqa.engine.runtime import cost_model
 from ppqa.engine.runtime.batching import pack_streams
-from ppqa.engine.runtime.kv_cache import document_key
+from ppqa.engine.runtime.document_cache import document_key
 from ppqa.engine.runtime.request import Request, Stream
 
 

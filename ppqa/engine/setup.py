@@ -25,7 +25,8 @@ import torch
 from ppqa.config import EngineConfig
 from ppqa.engine import first_use
 from ppqa.engine.devices import resolve_device
-from ppqa.engine.runtime.kv_cache import DocumentCache, KVPool, ReqToTokenTable
+from ppqa.engine.runtime.document_cache import DocumentCache
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
 from ppqa.engine.model.llama import LlamaModel, build_model
 from ppqa.engine.runtime.runner import ModelRunner
 

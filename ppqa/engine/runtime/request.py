@@ -24,7 +24,7 @@ import torch
 
 from ppqa.config import SamplingParams
 from ppqa.engine.runtime.grammar import accept_token
-from ppqa.engine.runtime.kv_cache import CachedDocument, document_key
+from ppqa.engine.runtime.document_cache import CachedDocument, document_key
 
 
 @dataclass(eq=False)

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ppqa.engine.runtime import steps
-from ppqa.engine.runtime.kv_cache import CachedDocument, DocumentCache, KVPool, ReqToTokenTable
+from ppqa.engine.runtime.document_cache import CachedDocument, DocumentCache
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
 from ppqa.engine.runtime.layout import document_layout
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.runner import StepInputs
