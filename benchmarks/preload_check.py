@@ -83,19 +83,19 @@ def role(name: str, model: str, phase: str, folder: str) -> None:
 
     from triton import knobs
 
-    from ppqa.engine import precompile
+    from ppqa.engine import compile_helper
 
     logged = log_compiles()
     folder = Path(folder)
     if name == "record":
-        engine = precompile.shadow_engine(model, "cuda", {})
+        engine = compile_helper.shadow_engine(model, "cuda", {})
         phases = engine.warmup_phases
         engine.warmup_phases = lambda: [(n, r) for n, r in phases() if phase in ("all", n)]
-        report = precompile.record_variants(engine, folder)
+        report = compile_helper.record_variants(engine, folder)
         (folder / "record_report.json").write_text(json.dumps(report))
     elif name == "preload":
-        precompile._imports_for_compiling("cuda")
-        precompile.compile_listed(folder)
+        compile_helper.imports_for_compiling("cuda")
+        compile_helper.compile_listed(folder)
     else:
         if name == "worker":  # the whole model and a worker's pool, as the GPU test's worker
             from ppqa import Engine
@@ -103,7 +103,7 @@ def role(name: str, model: str, phase: str, folder: str) -> None:
 
             engine = Engine(model, device="cuda", config=EngineConfig(mem_fraction=0.05))
         else:
-            engine = precompile.shadow_engine(model, "cuda", {})
+            engine = compile_helper.shadow_engine(model, "cuda", {})
         specs: dict[str, dict] = {}
 
         def hook(*, fn, compile, **_):
@@ -245,7 +245,7 @@ def record_layout(model: str) -> dict:
     real_popen = subprocess.Popen
 
     def logging_popen(command, **kwargs):
-        if command[1:3] == ["-m", "ppqa.engine.precompile"]:
+        if command[1:3] == ["-m", "ppqa.engine.compile_helper"]:
             command = [command[0], __file__, "--helper", *command[3:]]
         return real_popen(command, **kwargs)
 
@@ -310,17 +310,17 @@ def jit_keys() -> dict:
 
 
 def helper_main(argv: list[str]) -> int:
-    """A compile helper (`precompile.main`) that also writes its compile calls' key parts to
+    """A compile helper (`compile_helper.main`) that also writes its compile calls' key parts to
     keys-<pid>.json in its folder."""
     import os
     from pathlib import Path
 
-    from ppqa.engine import precompile
+    from ppqa.engine import compile_helper
 
     logged = log_compiles()
     folder = Path(argv[argv.index("--record" if "--record" in argv else "--compile") + 1])
     try:
-        return precompile.main(argv)
+        return compile_helper.main(argv)
     finally:
         (folder / f"keys-{os.getpid()}.json").write_text(json.dumps(logged))
         (folder / f"jitkeys-{os.getpid()}.json").write_text(json.dumps(jit_keys()))
@@ -357,10 +357,10 @@ def main() -> None:
 
     from triton import knobs
 
-    from ppqa.engine import precompile
+    from ppqa.engine import compile_helper
 
     logged = log_compiles()
-    engine = precompile.shadow_engine(args.model, "cuda", {})
+    engine = compile_helper.shadow_engine(args.model, "cuda", {})
     recorded: dict[str, dict] = {}
 
     def hook(*, fn, compile, **_):
@@ -374,7 +374,7 @@ def main() -> None:
     launched = list(logged)
     logged.clear()
     for spec, where in recorded.items():
-        precompile.jit_function(where["module"], where["name"]).preload(spec)
+        compile_helper.jit_function(where["module"], where["name"]).preload(spec)
     preloaded = list(logged)
     print("-- one process: launched, then preloaded")
     rows = compare(launched, preloaded)

@@ -1,4 +1,4 @@
-"""Compile helpers (engine/precompile.py): which warm-up phases they run, the marker that says a
+"""Compile helpers (engine/precompile.py, engine/compile_helper.py): which warm-up phases they run, the marker that says a
 Triton cache is warm, when they start, and a helper process run end to end on the CPU. On a GPU,
 tests/gpu/test_precompile_gpu.py checks that they leave the worker's warm-up nothing to compile."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from ppqa import Engine
 from ppqa.config import EngineConfig
-from ppqa.engine import precompile
+from ppqa.engine import compile_helper, precompile
 
 
 @pytest.fixture
@@ -89,14 +89,14 @@ def test_helpers_that_all_finish_well_mark_the_cache_warm(triton_cache, monkeypa
 
 
 def test_a_helper_runs_its_phases_on_a_two_layer_copy():
-    engine = precompile.shadow_engine("dummy:tiny-gqa", "cpu", {"max_batch_requests": 16})
+    engine = compile_helper.shadow_engine("dummy:tiny-gqa", "cpu", {"max_batch_requests": 16})
     full = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
     assert engine.model_config.num_layers == 2 < full.model_config.num_layers
     for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                   "max_position_embeddings"):
         assert getattr(engine.model_config, field) == getattr(full.model_config, field)
     assert engine.config.max_batch_requests == 16
-    done = subprocess.run([sys.executable, "-m", "ppqa.engine.precompile", "--model",
+    done = subprocess.run([sys.executable, "-m", "ppqa.engine.compile_helper", "--model",
                            "dummy:tiny-gqa", "--device", "cpu", "--phases", "few-stock,mixed,choices",
                            "--fields", '{"max_batch_requests": 16}', "--started", "0"],
                           capture_output=True, text=True, timeout=300)
@@ -104,7 +104,7 @@ def test_a_helper_runs_its_phases_on_a_two_layer_copy():
     report = json.loads(done.stdout.strip().splitlines()[-1])  # what `wait` reads
     assert [name for name, _ in report["phase_s"]] == ["few-stock", "mixed", "choices"]
     assert report["done_s"] > report["built_s"] > report["python_s"] > 1e9  # from the epoch
-    assert precompile.main(["--model", "dummy:tiny-gqa", "--device", "cpu",
+    assert compile_helper.main(["--model", "dummy:tiny-gqa", "--device", "cpu",
                             "--phases", "no-such-phase"]) == 2
 
 
@@ -149,7 +149,7 @@ def test_the_recorder_lists_each_variant_once_and_skips_it(tmp_path):
                     ("c", lambda: launch("z"))]
 
     before = knobs.runtime.jit_cache_hook
-    result = precompile.record_variants(Engine(), tmp_path)
+    result = compile_helper.record_variants(Engine(), tmp_path)
     assert result == {"variants": 4, "failed": ["b: RuntimeError: nan in the logits"]}
     listed = json.loads((tmp_path / "variants.json").read_text())
     assert [v["spec"] for v in listed] == ["x", "y", "c", "z"]
@@ -190,12 +190,12 @@ def test_compilers_compile_each_listed_variant_once(tmp_path):
     folder.mkdir()
     env = {**os.environ, "COMPILED_LOG": str(tmp_path / "compiled.log"),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    code = ("import json, pathlib, sys; from ppqa.engine.precompile import compile_listed; "
+    code = ("import json, pathlib, sys; from ppqa.engine.compile_helper import compile_listed; "
             "print(json.dumps(compile_listed(pathlib.Path(sys.argv[1]))))")
     helpers = [subprocess.Popen([sys.executable, "-c", code, str(folder)], env=env, text=True,
                                 stdout=subprocess.PIPE) for _ in range(3)]
     specs = [f"v{i}" for i in range(12)]
-    precompile.write_list(folder, [{"module": "fake_kernels", "name": "kernel", "spec": v}
+    compile_helper.write_list(folder, [{"module": "fake_kernels", "name": "kernel", "spec": v}
                                    for v in specs + ["bad"]]
                           + [{"module": "fake_kernels", "name": "wrapped", "spec": "w"}])
     reports = []

@@ -32,7 +32,8 @@ where it is missing, so a warm machine starts none, and `ppqa run --warmup cold`
 where it is present, after helpers too. A helper that fails costs nothing but its time: the
 marker stays absent and the worker's warm-up compiles whatever is missing.
 
-This module imports neither torch nor triton at the top: `start` runs before either is loaded.
+The helpers' own side (the two-layer engine, recording, compiling) is `compile_helper.py`. This
+module imports neither torch nor triton at the top: `start` runs before either is loaded.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ HELPER_PHASES = (("long", "few-long"), ("many",),
 # EngineConfig fields that change which kernels the warm-up meets and that a worker knows
 # before torch resolves the rest (dtype and backend follow the device).
 _WARMUP_FIELDS = ("max_batch_requests", "max_prefill_tokens")
-_WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worker compiles instead)
+WAIT_SECONDS = 120.0  # a helper still running after this is stopped (the worker compiles instead)
 LAYOUTS = ("record", "phases")
 # Compiling helpers beside the recorder in the `record` layout (at most; fewer where the machine
 # has fewer cores than that plus two, one for the worker and one for the recorder).
@@ -71,13 +72,13 @@ COMPILERS = 8
 # the busiest 4.9 s (results/h200/startup_cold_record_s19c1.json); 4 would need ~6 s after the
 # list, still less than a phase group's first phase (10-11 s, startup_cold_phases_s19c1.json).
 MIN_COMPILERS = 4
-_LIST = "variants.json"  # the recorder's list, in the helpers' folder
 
 _started: list[Helper] = []  # helpers this process started and has not waited for
 _marks: list[tuple[str, dict]] = []  # (model, fields) of those helpers: marked warm if all do well
 last_wait: tuple[int, int, float] | None = None  # (finished well, started, seconds waited)
 # The last wait's helpers: their phases, exit code, and their own timing report (`main`'s last
-# line: seconds from the start call to its engine built, and to its phases done).
+# line: seconds from the start call to its engine built, and to its phases done;
+# compile_helper.py).
 last_reports: list[dict] = []
 
 
@@ -165,7 +166,7 @@ def start(model: str, device: str | None, fields: dict | None = None,
     for i, (flag, value) in enumerate(roles):
         log = folder / f"helper-{i}.log"
         with open(log, "w") as out:
-            command = [sys.executable, "-m", "ppqa.engine.precompile", "--model", model,
+            command = [sys.executable, "-m", "ppqa.engine.compile_helper", "--model", model,
                        "--device", device or "cuda", flag, value,
                        "--fields", json.dumps(fields), "--started", repr(started)]
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
@@ -177,7 +178,7 @@ def start(model: str, device: str | None, fields: dict | None = None,
     return helpers
 
 
-def wait(timeout: float = _WAIT_SECONDS) -> tuple[int, int]:
+def wait(timeout: float = WAIT_SECONDS) -> tuple[int, int]:
     """Wait for the helpers this process started (stopping any still running after `timeout`
     seconds in all); (finished well, started). (0, 0) when none were started. When every one
     finished well, the cache is marked warm for what they compiled (`mark_warm`)."""
@@ -221,195 +222,3 @@ def stop() -> None:
         if helper.process.poll() is None:
             helper.process.kill()
             helper.process.wait()
-
-
-def shadow_engine(model: str, device: str, fields: dict):
-    """An Engine with the model's dimensions, tokenizer and configuration but two layers of
-    random weights, and a KV pool large enough for the warm-up (not a share of the GPU)."""
-    import torch
-
-    from ppqa.config import EngineConfig
-    from ppqa.engine.engine import Engine
-    from ppqa.engine.loading import presets
-    from ppqa.engine.loading.loader import load_model
-    from ppqa.engine.loading.types import LazyWeights, LoadedModel
-    from ppqa.engine.runtime.kv_cache import KVPool
-
-    config = EngineConfig(**fields)
-    dtype = getattr(torch, config.dtype or ("bfloat16" if device.startswith("cuda")
-                                            else "float32"))
-    loaded = load_model(model, device=device, dtype=dtype)  # config and tokenizer; weights lazy
-    # Two layers: the second meets what only layers after the first do (the residual norm).
-    shadow = dataclasses.replace(loaded.config, num_layers=min(2, loaded.config.num_layers))
-    weights = LazyWeights(lambda: presets.dummy_weights(shadow, 0.02, device=torch.device(device),
-                                                        dtype=dtype, seed=0),
-                          sum(1 for _ in presets.weight_shapes(shadow)))
-    if torch.device(device).type == "cuda":
-        # The req_to_token rows keep the length the worker's large pool gives them (their
-        # stride is part of what a kernel is compiled for); the pool holds the warm-up's tokens.
-        row = config.max_row_tokens or 4 * shadow.max_position_embeddings
-        tokens = row + 2 * config.max_prefill_tokens + 64 * config.max_batch_requests
-        slot_bytes = KVPool.bytes_per_slot(1, shadow.num_kv_heads, shadow.head_dim, dtype)
-        free, _ = torch.cuda.mem_get_info(torch.device(device))  # other helpers take some
-        config = dataclasses.replace(config, max_row_tokens=row, mem_fraction=min(
-            1.0, tokens * slot_bytes / max(free // 2, 1)))
-    return Engine.from_loaded(LoadedModel(shadow, weights, loaded.tokenizer,
-                                          source=f"{loaded.source}, two layers for compiling"),
-                              device=device, config=config, model_name=model)
-
-
-def record_variants(engine, folder: Path) -> dict:
-    """Run every warm-up phase of `engine` with a Triton hook that records each kernel variant a
-    launch asks for and skips it (neither compiled nor launched), then write the list to
-    `folder` for the compiling helpers. Returns {"variants": count, "failed": [phase: error]}:
-    a phase that trips on the garbage the skipped kernels leave ends early, the next still run,
-    and the list is written whatever happens."""
-    from triton import knobs
-
-    variants: dict[str, dict] = {}
-
-    def hook(*, fn, compile, **_) -> bool:
-        spec = compile["specialization_data"]
-        variants.setdefault(spec, {"module": fn.module, "name": fn.name, "spec": spec})
-        return True  # skip it
-
-    failed = []
-    previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
-    try:
-        for name, phase in engine.warmup_phases():
-            try:
-                phase()
-            except Exception as exc:  # noqa: BLE001 - recorded; the list is still useful
-                failed.append(f"{name}: {type(exc).__name__}: {exc}")
-    finally:
-        knobs.runtime.jit_cache_hook = previous
-        write_list(folder, list(variants.values()))
-    return {"variants": len(variants), "failed": failed}
-
-
-def write_list(folder: Path, variants: list[dict]) -> None:
-    """The recorder's list of variants ({"module", "name", "spec"}: where the kernel is and
-    Triton's specialization data), written so that compilers see the whole list or none."""
-    partial = folder / (_LIST + ".part")
-    partial.write_text(json.dumps(variants))
-    os.replace(partial, folder / _LIST)
-
-
-def _imports_for_compiling(device: str) -> None:
-    """What compiling needs before the list is out: torch and Triton imported, the device's
-    context and Triton's driver up, the kernel modules loaded."""
-    import importlib
-    import pkgutil
-
-    import torch
-    from triton.runtime import driver
-
-    import ppqa.kernels
-
-    torch.cuda.set_device(torch.device(device).index or 0)  # 'cuda' names the first GPU
-    driver.active.get_current_target()
-    for module in pkgutil.iter_modules(ppqa.kernels.__path__):
-        importlib.import_module(f"ppqa.kernels.{module.name}")
-
-
-def jit_function(module: str, name: str):
-    """The Triton JIT function `name` (a qualified name) of `module`, as a jit_cache_hook names
-    it; a wrapper's (autotune, heuristics) is unwrapped."""
-    import importlib
-
-    kernel = importlib.import_module(module)
-    for part in name.split("."):
-        kernel = getattr(kernel, part)
-    while not hasattr(kernel, "preload") and hasattr(kernel, "fn"):
-        kernel = kernel.fn
-    return kernel
-
-
-def compile_listed(folder: Path, wait_seconds: float = _WAIT_SECONDS) -> list:
-    """Compile the variants of the recorder's list in `folder` (waiting for it) that no other
-    helper has claimed, each claimed by creating its claim file; [[kernel, seconds or error]]."""
-    path = folder / _LIST
-    deadline = time.monotonic() + wait_seconds
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no list of kernel variants in {folder} after {wait_seconds} s")
-        time.sleep(0.02)
-    done = []
-    for i, variant in enumerate(json.loads(path.read_text())):
-        try:
-            os.close(os.open(folder / f"claim-{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            continue  # another helper has it
-        t0 = time.perf_counter()
-        try:
-            compiled = jit_function(variant["module"], variant["name"]).preload(variant["spec"])
-            # Loading it builds its launcher, a C module per signature that Triton keeps in
-            # the cache as well; a worker would otherwise build each at its first launch.
-            compiled._init_handles()
-            done.append([variant["name"], round(time.perf_counter() - t0, 3)])
-        except Exception as exc:  # noqa: BLE001 - the worker's warm-up compiles it instead
-            done.append([variant["name"], f"{type(exc).__name__}: {exc}"])
-    return done
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Run warm-up phases on a two-layer copy of a "
-                                             "model, filling the Triton cache (a compile helper).")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--device", required=True)
-    role = ap.add_mutually_exclusive_group(required=True)
-    role.add_argument("--phases", help="warm-up phase names, comma-separated (layout `phases`)")
-    role.add_argument("--record", metavar="FOLDER",
-                      help="record the warm-up's kernel variants into FOLDER, then compile")
-    role.add_argument("--compile", metavar="FOLDER",
-                      help="compile the variants FOLDER's recorder lists")
-    ap.add_argument("--fields", default="{}", help="EngineConfig fields as JSON")
-    ap.add_argument("--started", type=float, default=None,
-                    help="when the worker started the helpers (epoch seconds): the report's origin")
-    args = ap.parse_args(argv)
-    origin = time.time() if args.started is None else args.started
-    imported = time.time() - origin  # torch is not imported yet: `shadow_engine` does that
-    if args.compile:
-        _imports_for_compiling(args.device)
-        built = time.time() - origin
-        compiled = compile_listed(Path(args.compile))
-        print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
-                          "compiled": compiled, "done_s": round(time.time() - origin, 3)}))
-        return 0
-    try:
-        engine = shadow_engine(args.model, args.device, json.loads(args.fields))
-    except BaseException:
-        if args.record:
-            write_list(Path(args.record), [])  # the compilers stop waiting
-        raise
-    if args.record:
-        built = time.time() - origin
-        recorded = record_variants(engine, Path(args.record))
-        listed = time.time() - origin
-        compiled = compile_listed(Path(args.record))
-        print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
-                          "listed_s": round(listed, 3), **recorded, "compiled": compiled,
-                          "done_s": round(time.time() - origin, 3)}))
-        return 0
-    phases = dict(engine.warmup_phases())
-    wanted = args.phases.split(",")
-    unknown = [name for name in wanted if name not in phases]
-    if unknown:
-        print(f"unknown warm-up phases {unknown}; known: {list(phases)}", file=sys.stderr)
-        return 2
-    built = time.time() - origin
-    seconds = []
-    for name in wanted:
-        t0 = time.perf_counter()
-        phases[name]()
-        seconds.append([name, round(time.perf_counter() - t0, 3)])
-    # The last line is the report `wait` reads: seconds since the worker started the helpers.
-    print(json.dumps({"python_s": round(imported, 3), "built_s": round(built, 3),
-                      "phase_s": seconds, "done_s": round(time.time() - origin, 3)}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
