@@ -1,5 +1,5 @@
 """A job ingested between two full claims is claimed within a look for new job ids
-(`lookups.newest_job_id`, every `loop.ARRIVAL_PROBE_SECONDS`), not at the next `poll_seconds`:
+(`lookups.newest_job_id`, every `pacing.ARRIVAL_PROBE_SECONDS`), not at the next `poll_seconds`:
 by an idle following worker and by a busy one. The real engine on `dummy:tiny-mha` (CPU) and a
 real SQLite store; `poll_seconds` is a minute, so a worker that waited for its full claim fails
 the test (a bounded wait, never a hang). Order is read from the store and the worker's events."""
@@ -15,7 +15,7 @@ from sqlalchemy.exc import OperationalError
 
 from ppqa.store import lookups, queue
 from ppqa.store.models import Job
-from ppqa.worker import loop
+from ppqa.worker import pacing
 from ppqa.worker.report import ProgressSink
 from tests.helpers import WORKER_MODEL, make_worker, on_each_step
 
@@ -107,7 +107,7 @@ def test_a_busy_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engi
             late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2,
                                 mode="stock"))
         if n == 6:  # a step as long as a look's period: the next iteration looks
-            time.sleep(loop.ARRIVAL_PROBE_SECONDS * 1.5)
+            time.sleep(pacing.ARRIVAL_PROBE_SECONDS * 1.5)
 
     on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
     sink = _Events()
@@ -135,7 +135,7 @@ def test_a_store_that_cannot_answer_the_look_still_serves_jobs(sqlite_db, add_jo
         if n == 5:
             late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2))
         if n == 6:
-            time.sleep(loop.ARRIVAL_PROBE_SECONDS * 1.5)
+            time.sleep(pacing.ARRIVAL_PROBE_SECONDS * 1.5)
 
     on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
     sink = _Events()

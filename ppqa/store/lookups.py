@@ -18,7 +18,7 @@ def waiting_questions(db: Database, model: str | None = None,
     """Answers still to write for jobs in `statuses` (that a worker of `model` may take; one
     per unanswered question, or per missing sample): for queued jobs, the part of the queue
     nobody has claimed yet, a worker's progress total; with running ones too, the work left
-    that workers sharing the queue split (`Worker._share`)."""
+    that workers sharing the queue split (`worker/pacing.ClaimPacer.share`)."""
     stmt = (select(func.coalesce(func.sum(Job.samples - answer_count()), 0))
             .select_from(Question).join(Job, Job.id == Question.job_id)
             .where(Job.status.in_(statuses), answer_count() < Job.samples))

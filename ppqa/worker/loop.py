@@ -17,8 +17,8 @@ The loop, between engine steps (the step in flight runs on the GPU meanwhile):
   - jobs whose lease the heartbeat found lost (cancelled, or taken over) leave the session at
     once (`EngineSession.cancel`).
 So a job ingested while others decode starts at the next claim, not after the others end.
-Between full claims (every `poll_seconds` when none came) the worker, busy or idle, looks for a
-newer job id (`lookups.newest_job_id`) every `ARRIVAL_PROBE_SECONDS` and claims at once if there is.
+When to claim (full claims every `poll_seconds` when none came, a look for a newer job id in
+between, peers' shares) is `pacing.ClaimPacer`'s.
 
 The worker knows nothing of terminals: it tells a `ProgressSink` what happens (the CLI renders
 that with Rich or log lines) and returns a `WorkerSummary`. `request_stop()` (the CLI calls it
@@ -37,13 +37,13 @@ import time
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ppqa.store import lookups, queue
+from ppqa.store import queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
-from ppqa.store.models import QUEUED, RUNNING
 from ppqa.store.queue import ClaimedJob
 from ppqa.worker.lease import LeaseKeeper
 from ppqa.worker.options import WorkerOptions
+from ppqa.worker.pacing import ClaimPacer
 from ppqa.worker.report import (JobOutcome, JobRun, ProgressSink, WorkerSummary, answer_row,
                                 job_report)
 from ppqa.worker.requests import ALL_SAMPLES, engine_requests, job_sampling
@@ -56,10 +56,6 @@ MAX_ENGINE_CRASHES = 3
 # (results/h200/gprof_labeling_auto_s21c1.json, `long_idle_gaps`); the rest settle over the
 # next iterations, their answers already written.
 SETTLE_PER_ITERATION = 2
-# How often a worker between two full claims asks whether a job was ingested (one read of the
-# largest job id): a new job waits about this long, while the full claim, ~5 ms of SQL on the
-# engine loop's thread between two steps, stays at `poll_seconds`.
-ARRIVAL_PROBE_SECONDS = 0.2
 
 
 class WorkerError(RuntimeError):
@@ -83,11 +79,7 @@ class Worker:
         self._lost: threadsafe.SimpleQueue[list[int]] = threadsafe.SimpleQueue()
         self._session = None
         self._leases: LeaseKeeper | None = None
-        self._next_claim = 0.0  # perf_counter time before which a worker with work skips claims
-        self._claim_on_settle = False  # the last claim was deferred (queue.Claims.deferred)
-        self._seen_job_id = 0  # the newest job id before the last claim: a larger one is new
-        self._next_probe = 0.0  # perf_counter time of a busy worker's next look for a new job
-        self._shared = (-1.0, 0)  # (perf_counter time, share) of the last `_share` read
+        self._pacer = ClaimPacer(db, options, self._stop)
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop admitting work; safe from a signal handler or another thread."""
@@ -134,7 +126,7 @@ class Worker:
                     if not self.options.follow:
                         break
                     self.progress.waiting()
-                    self._wait_for_jobs()
+                    self._pacer.wait_for_jobs()
                 self._wind_down()
         finally:
             self.summary.wall_seconds = time.perf_counter() - started
@@ -183,31 +175,19 @@ class Worker:
         return len(self._runs) < self.max_jobs and outstanding < self.max_questions and backlog
 
     def _claim_if_room(self) -> bool:
-        """Claim jobs (one document at a time) while the session has room; True if any came.
-        A worker with work in flight asks again only after `poll_seconds` when none came, and
-        claims one document per call: the claim's SQL and its questions' tokenization happen
-        between two engine steps, while the step in flight runs, so each call's share stays
-        within about one step's time rather than the whole room's (the GPU would idle
-        through the rest); but a job ingested meanwhile is claimed once a look finds it
-        (`_job_arrived`, every ARRIVAL_PROBE_SECONDS). An idle session takes all the room it
-        has at once. Among `peers`, claims stop at this worker's share (`_share`)."""
-        busy, now = bool(self._runs), time.perf_counter()
-        if self.stopping or not self._has_room():
+        """Claim jobs (one document at a time) while the session has room and the pacer says
+        so; True if any came. A worker with work in flight claims one document per call: the
+        claim's SQL and its questions' tokenization happen between two engine steps, while the
+        step in flight runs, so each call's share stays within about one step's time rather
+        than the whole room's (the GPU would idle through the rest). An idle session takes all
+        the room it has at once. Among `peers`, claims stop at this worker's share."""
+        busy = bool(self._runs)
+        if self.stopping or not self._has_room() or not self._pacer.may_claim(busy):
             return False
-        early = busy and now < self._next_claim  # before the full claim only for a new job
-        if early:
-            if now < self._next_probe:
-                return False
-            self._next_probe = now + ARRIVAL_PROBE_SECONDS
-        # Noted before the claim: a job ingested while it runs has a larger id than this.
-        newest = self._newest_job_id()
-        if early and newest <= self._seen_job_id:
-            return False
-        self._seen_job_id = newest
         opts, got_any = self.options, False
-        share = self._share()
+        share = self._pacer.share()
         if busy and share is not None and self._outstanding() >= share:
-            self._next_claim = time.perf_counter() + ARRIVAL_PROBE_SECONDS  # look again soon
+            self._pacer.look_again_soon()
             return False
         while (not self.stopping and self._has_room() and not (busy and got_any)
                and (share is None or not got_any or self._outstanding() < share)):
@@ -226,53 +206,12 @@ class Worker:
                 self.progress.message(f"cannot claim jobs, retrying: {error_reason(exc)}")
                 claims = []
             if not claims:
-                self._next_claim = time.perf_counter() + opts.poll_seconds
                 # A document waiting for room to be claimed whole: ask again when a job ends.
-                self._claim_on_settle = getattr(claims, "deferred", False)
+                self._pacer.found_nothing(deferred=getattr(claims, "deferred", False))
                 break
             self._start(claims)
             got_any = True
         return got_any
-
-    def _share(self) -> int | None:
-        """Among `peers` workers sharing the queue, the questions in flight up to which this
-        one claims: an even share of what is left, queued or claimed by any of them (None:
-        all it has room for). One below it always exists while questions wait, so none is
-        left unclaimed; an idle worker claims a document whatever its share. Read from the
-        store at most every ARRIVAL_PROBE_SECONDS: a sum over the whole queue, which a busy
-        worker would otherwise run between every two steps."""
-        if self.options.peers <= 1:
-            return None
-        now = time.perf_counter()
-        if now - self._shared[0] < ARRIVAL_PROBE_SECONDS:
-            return self._shared[1]
-        try:
-            left = lookups.waiting_questions(self.db, self.options.model, (QUEUED, RUNNING))
-        except (SQLAlchemyError, StoreError):
-            return None  # the claim that follows reports a store that stays down
-        self._shared = (now, -(-left // self.options.peers))
-        return self._shared[1]
-
-    def _newest_job_id(self) -> int:
-        """`lookups.newest_job_id`; on a database blip the last one seen (nothing new): the
-        look is a hint, and the full claim reports a store that stays down."""
-        try:
-            return lookups.newest_job_id(self.db)
-        except (SQLAlchemyError, StoreError):
-            return self._seen_job_id
-
-    def _job_arrived(self) -> bool:
-        """Whether a job was ingested since the last claim."""
-        return self._newest_job_id() > self._seen_job_id
-
-    def _wait_for_jobs(self) -> None:
-        """An idle worker's wait before its next full claim: `poll_seconds`, ended early by a
-        stop or a job ingested (looked for every ARRIVAL_PROBE_SECONDS). Jobs whose lease
-        expired, released or retried keep their ids: only the full claim finds those."""
-        deadline = time.perf_counter() + self.options.poll_seconds
-        while (left := deadline - time.perf_counter()) > 0:
-            if self._stop.wait(min(ARRIVAL_PROBE_SECONDS, left)) or self._job_arrived():
-                return
 
     def _start(self, claims: list[ClaimedJob]) -> None:
         """Hand claimed jobs to the session: the jobs of one mode in one submit, so that the
@@ -323,8 +262,7 @@ class Worker:
         for run in [r for r in self._runs.values() if r.settleable][:limit]:
             outcome = self._settle(run)
             finished_well |= outcome is not None and outcome.status == "done"
-            if self._claim_on_settle:  # the room a waiting document needs may be here now
-                self._next_claim, self._claim_on_settle = 0.0, False
+            self._pacer.job_settled()
         if finished_well:
             self.max_jobs = min(self.options.max_jobs, self.max_jobs * 2)
             self.max_questions = min(self.options.max_questions, self.max_questions * 2)

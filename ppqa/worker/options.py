@@ -23,7 +23,7 @@ class WorkerOptions:
     # Workers sharing this queue (`ppqa run --peers N`, e.g. one on each of N hosts; `--gpus`
     # sets it for its workers): each claims while its questions in flight are below an even
     # share of what is left (queued or claimed), so that the others each find work rather
-    # than the first ready taking a batch and a backlog (worker/loop.Worker._share).
+    # than the first ready taking a batch and a backlog (worker/pacing.ClaimPacer.share).
     peers: int = 1
     follow: bool = False  # keep waiting for new jobs instead of exiting when the queue is empty
     lease_seconds: float = 60.0
