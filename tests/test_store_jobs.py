@@ -156,3 +156,63 @@ def test_export_format():
         export_format("x.txt", None)
     with pytest.raises(InputError, match="unknown format 'xml'"):
         export_format("x.csv", "xml")
+
+
+def _at_once(count, work):
+    """Run work(i) on `count` threads released together; [result or exception] in order."""
+    import threading
+
+    barrier, results = threading.Barrier(count), [None] * count
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = work(i)
+        except Exception as exc:  # noqa: BLE001 - returned for the test to inspect
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_ingests_of_one_new_document_at_once_store_it_once(any_db):
+    """Concurrent ingests of the same new document (different questions) all land, on one
+    document row; identical ones at once: exactly one lands, the others are refused."""
+    for round_ in range(4):
+        document = f"A brand new document, round {round_}."
+        results = _at_once(6, lambda i, d=document: ingest(any_db, [request(d, (f"Q{i}?",))])[0])
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert len({r.document_id for r in results}) == 1
+        assert sum(r.document_is_new for r in results) == 1
+        same = f"Another new document, round {round_}."
+        results = _at_once(6, lambda i, d=same: ingest(any_db, [request(d)])[0])
+        refused = [r for r in results if isinstance(r, Exception)]
+        assert len(refused) == 5 and all(isinstance(r, InputError) for r in refused), results
+    assert (count(any_db, Document), count(any_db, Job)) == (8, 4 * 6 + 4)
+
+
+def test_nul_characters_are_refused_in_input_and_replaced_in_answers(any_db):
+    """A NUL (which PostgreSQL's text cannot hold) in a document, name, question, id or choice
+    is an input error naming where; one in a model's answer is stored as U+FFFD."""
+    with pytest.raises(InputError, match=r"q.jsonl:3: the question contains a NUL character"):
+        QuestionInput("1", "What\x00?", "q.jsonl:3")
+    with pytest.raises(InputError, match=r"q.jsonl:4: the question id contains a NUL"):
+        QuestionInput("a\x00", "What?", "q.jsonl:4")
+    with pytest.raises(InputError, match=r"the choice contains a NUL"):
+        QuestionInput("1", "What?", "q:1", choices=("yes", "n\x00o"))
+    with pytest.raises(InputError, match=r"batch.jsonl:2: the document contains a NUL"):
+        IngestRequest("Doc\x00.", "doc", [QuestionInput("1", "A?", "x")], where="batch.jsonl:2")
+    with pytest.raises(InputError, match=r"the document name contains a NUL"):
+        request(name="d\x00c")
+    job = ingest(any_db, [request("A document for NUL answers.")])[0].job_id
+    claim = queue.claim_jobs(any_db, "w1", 60)[0]
+    assert claim.job_id == job
+    ids = [q.id for q in claim.questions]
+    queue.record_answers(any_db, [(ids[0], "a\x00b", 3, "stop", 0.1)], worker_id="w1")
+    assert queue.record_answer(any_db, ids[1], "\x00", 1, "length", worker_id="w1")
+    texts = sorted(row["answer"] for row in export_rows(any_db, job_ids=[job], include_all=True))
+    assert texts == ["a\ufffdb", "\ufffd"]

@@ -51,6 +51,11 @@ class QuestionInput:
                 object.__setattr__(self, "choices", check_choices(self.choices))
             except ValueError as exc:
                 raise InputError(f"{self.where}: {exc}") from None
+        for what, value in (("question", self.text), ("question id", self.custom_id),
+                            *(("choice", c) for c in self.choices or ())):
+            if "\x00" in value:
+                raise InputError(f"{self.where}: the {what} contains a NUL character (\\u0000), "
+                                 "which the store cannot hold")
 
 
 def parse_choices(text: str, sep: str, where: str) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from ppqa.openai.batch_in import BatchFileError, LineError, decode_batch_file, p
 from ppqa.openai.batch_out import batch_files
 from ppqa.openai.prompt_model import PromptModel
 from ppqa.store import openai_batches as store
-from ppqa.store.db import Database
+from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import InputError, NotFoundError, StoreError
 from ppqa.store.openai_files import file_content
 
@@ -96,5 +96,6 @@ class BatchService:
         except Exception as exc:  # noqa: BLE001 - the batch must not stay validating forever
             log.exception("batch %s: validation failed", batch)
             store.fail_batch(self.db, batch, [LineError(
-                None, f"internal error while validating: {type(exc).__name__}: {exc}",
+                None, f"internal error while validating: {type(exc).__name__}: "
+                f"{error_reason(exc)}",
                 code="server_error").to_dict()])

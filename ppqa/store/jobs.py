@@ -2,7 +2,10 @@
 
 The CLI reads and checks input (`ppqa.files.inputs`), builds `IngestRequest`s and calls `ingest`, which
 writes documents, jobs and questions in ONE write transaction: either every request lands or,
-on any refusal (an identical job already queued, a bad template), nothing does.
+on any refusal (an identical job already queued, a bad template), nothing does. Ingests of the
+same document at once are serialized (SQLite's write lock; on PostgreSQL a transaction-scoped
+advisory lock per document), so the document is stored once and `--force`-less duplicates are
+refused however the ingests interleave.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import text as sql
 
 from ppqa.store.db import Database
 from ppqa.store.errors import InputError, StoreError
@@ -47,6 +51,10 @@ class IngestRequest:
             raise InputError(self._at("no questions"))
         if not self.name.strip():
             raise InputError(self._at("the document name is empty"))
+        for what, value in (("document", self.document_text), ("document name", self.name)):
+            if "\x00" in value:
+                raise InputError(self._at(f"the {what} contains a NUL character (\\u0000), "
+                                          "which the store cannot hold"))
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InputError(self._at(f"priority must be a whole number, got {self.priority!r}"))
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
@@ -107,12 +115,23 @@ def ingest(db: Database, requests: list[IngestRequest], *, force: bool = False,
                 raise InputError(req._at(str(exc))) from None
     results = []
     with db.write() as conn:
+        if db.dialect == "postgresql":
+            _lock_documents(conn, {sha256_text(req.document_text) for req in requests})
         now = db.now(conn)
         for req in requests:
             results.append(_ingest_one(conn, req, now, force))
         if on_written is not None:
             on_written(conn, now, results)
     return results
+
+
+def _lock_documents(conn: Connection, shas: set[str]) -> None:
+    """Hold a PostgreSQL advisory lock per document until the transaction ends, taken in one
+    order (no deadlock between two ingests of several documents): the document lookup and
+    insert and the identical-job check below are then one step for each document."""
+    for sha in sorted(shas):
+        key = int.from_bytes(bytes.fromhex(sha[:16]), "big", signed=True)
+        conn.execute(sql("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
 
 
 def _ingest_one(conn: Connection, req: IngestRequest, now, force: bool) -> IngestResult:

@@ -261,7 +261,7 @@ def record_answer(db: Database, question_id: int, text: str, token_count: int,
     try:
         with db.write() as conn:
             conn.execute(insert(Answer).values(
-                question_id=question_id, text=text, token_count=token_count,
+                question_id=question_id, text=storable(text), token_count=token_count,
                 finish_reason=finish_reason, total_seconds=total_seconds, worker=worker_id,
                 created_at=db.now(conn), sample=sample, **_choice_values(text, choice_scores)))
         return True
@@ -285,14 +285,20 @@ def record_answers(db: Database, rows: list[tuple], *, worker_id: str | None = N
         with db.write() as conn:
             now = db.now(conn)
             conn.execute(insert(Answer), [
-                {"question_id": qid, "text": text, "token_count": tokens, "finish_reason": reason,
-                 "total_seconds": seconds, "worker": worker_id, "created_at": now,
-                 "sample": sample, **_choice_values(text, scores)}
+                {"question_id": qid, "text": storable(text), "token_count": tokens,
+                 "finish_reason": reason, "total_seconds": seconds, "worker": worker_id,
+                 "created_at": now, "sample": sample, **_choice_values(text, scores)}
                 for qid, text, tokens, reason, seconds, scores, sample in rows])
     except IntegrityError:
         for qid, text, tokens, reason, seconds, scores, sample in rows:
             record_answer(db, qid, text, tokens, reason, total_seconds=seconds,
                           worker_id=worker_id, choice_scores=scores, sample=sample)
+
+
+def storable(answer: str) -> str:
+    """An answer's text as the store keeps it: a NUL character, which a model can generate
+    (a byte token) and PostgreSQL's text cannot hold, becomes U+FFFD, on every backend alike."""
+    return answer.replace("\x00", "\ufffd")
 
 
 def _choice_values(text: str, scores: list[dict] | None) -> dict:
