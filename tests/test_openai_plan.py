@@ -57,7 +57,7 @@ def test_body_defaults_follow_the_openai_api_and_ignore_the_model():
                                                                {"type": "text", "text": "b"}]}]})
     assert req.messages == (("system", "d"), ("user", "a\nb"))
     assert (req.temperature, req.top_p, req.seed, req.n, req.stop, req.max_tokens) == \
-        (1.0, 1.0, 0, 1, (), None)
+        (1.0, 1.0, None, 1, (), None)  # no seed: the plan draws one
     assert req.ignored == ("model",)
     assert parse_chat_body({"messages": [{"role": "user", "content": "q"}],
                             "max_completion_tokens": 7, "stop": "\n"}).max_tokens == 7
@@ -187,6 +187,12 @@ def test_plan_splits_on_token_boundaries_the_engine_sees(which, request):
         assert ids == expected and choice.prompt_tokens == len(ids)
     solo = [plan.jobs[c.job].params for c in plan.choices if c.custom_id == "solo"]
     assert [p.seed for p in solo] == [5, 6, 7] and {p.temperature for p in solo} == {0.8}
+    # The lines without a seed share one drawn for the file (so they still share jobs); another
+    # planning of the same file draws another, as the OpenAI API samples afresh.
+    unseeded = {plan.jobs[c.job].params.seed for c in plan.choices if c.custom_id != "solo"}
+    again = plan_batch_file(batch_text(), "requests.jsonl", model)
+    assert len(unseeded) == 1 and unseeded != {
+        again.jobs[c.job].params.seed for c in again.choices if c.custom_id != "solo"}
     assert {p.template for p in (j.params for j in plan.jobs)} == {"raw"}
     assert {j.params.model for j in plan.jobs} == {model.name}
     shared = {c.custom_id: plan.jobs[c.job].document_text for c in plan.choices}

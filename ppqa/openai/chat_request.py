@@ -8,8 +8,9 @@ user and assistant turns; text content), `max_tokens` or `max_completion_tokens`
 answer is JSON that follows the schema; `json_object`: any JSON object; both through
 ppqa/json_schema.py). Harmless fields are named and ignored (`model`: the worker's model
 answers). Fields that change what an answer means are refused. Defaults follow the
-OpenAI API (temperature 1), except the answer budget: `DEFAULT_MAX_TOKENS`, less if the prompt
-leaves less room in the model's context.
+OpenAI API (temperature 1; without a `seed`, samples drawn afresh: `plan.plan_requests` draws
+one), except the answer budget: `DEFAULT_MAX_TOKENS`, less if the prompt leaves less room in
+the model's context.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ChatRequest:
     max_tokens: int | None  # None: DEFAULT_MAX_TOKENS, or what the context leaves
     temperature: float = 1.0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None  # None: none given (plan_requests draws one)
     stop: tuple[str, ...] = ()
     n: int = 1
     ignored: tuple[str, ...] = ()  # fields present but ignored (IGNORED_FIELDS)
@@ -89,7 +90,7 @@ def parse_chat_body(body: Any) -> ChatRequest:
         max_tokens=None if budget is None else _whole(budget, budget_name, low=1),
         temperature=1.0 if temperature is None else _number(temperature, "temperature", 0.0, 2.0),
         top_p=1.0 if top_p is None else _top_p(top_p),
-        seed=0 if seed is None else _whole(seed, "seed", low=0, high=MAX_SEED),
+        seed=None if seed is None else _whole(seed, "seed", low=0, high=MAX_SEED),
         stop=_stop(body.get("stop")),
         n=1 if n is None else _whole(n, "n", low=1, high=MAX_CHOICES),
         ignored=tuple(name for name in IGNORED_FIELDS if name in body))

@@ -18,16 +18,19 @@ assistant's turn.
 Requests of a group with different parameters (max_tokens, temperature, seed, stop) become
 separate jobs on the same document, which a worker claims and decodes together. A request
 asking for n choices is n questions in n jobs, the seed counting up per choice so that sampled
-choices differ.
+choices differ. Requests without a seed take one drawn at random for the call (as the OpenAI
+API samples afresh each time), the same for all of a batch file's, so that they still share
+jobs.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ppqa.files.inputs import QuestionInput
-from ppqa.openai.chat_request import DEFAULT_MAX_TOKENS, ChatRequest, RequestError
+from ppqa.openai.chat_request import DEFAULT_MAX_TOKENS, MAX_SEED, ChatRequest, RequestError
 from ppqa.openai.grouping import common_prefix_length, group_by_shared_prefix
 from ppqa.openai.prompt_model import PromptModel
 from ppqa.openai.render import RenderedPrompt, render_prompt
@@ -109,6 +112,7 @@ def plan_requests(requests: Sequence[PlannedRequest], model: PromptModel, *, lab
                                    "model's tokenizer", "messages", requests[i].line)
             groups.append(([i], single))
     plan = BatchPlan(jobs=[], choices=[], group_shared_tokens=[], group_sizes=[])
+    drawn_seed = secrets.randbelow(MAX_SEED)  # for the requests that give none
     for r in requests:
         for name in r.request.ignored:
             plan.ignored[name] = plan.ignored.get(name, 0) + 1
@@ -126,7 +130,8 @@ def plan_requests(requests: Sequence[PlannedRequest], model: PromptModel, *, lab
                 params = GenerationParams(
                     template=RAW_TEMPLATE, max_new_tokens=max_new,
                     temperature=r.request.temperature, top_p=r.request.top_p,
-                    seed=r.request.seed + choice, model=model.name, stop=r.request.stop,
+                    seed=(drawn_seed if r.request.seed is None else r.request.seed) + choice,
+                    model=model.name, stop=r.request.stop,
                     json_schema=r.request.json_schema)
                 if params not in jobs_of_group:
                     jobs_of_group[params] = len(pending)
