@@ -7,6 +7,7 @@ feeds them; output goes to an in-memory console (forced to act as a terminal for
 from __future__ import annotations
 
 import io
+import time
 from datetime import datetime
 from types import SimpleNamespace
 
@@ -169,3 +170,21 @@ def test_total_follows_what_other_workers_took():
     sink.settled(_outcome(job, "done", 2))
     sink.finished(WorkerSummary("w1", "m", "cpu", [_outcome(job, "done", 2)]))
     assert (sink.counters.done, sink.counters.total) == (2, 2)
+
+
+def test_log_lines_keep_coming_while_nothing_is_answered():
+    """A long prefill answers nothing for a while: the log still gets a progress line every
+    interval while documents are in flight, and none after the worker has finished."""
+    out = io.StringIO()
+    sink = LogProgress(Console(file=out, width=200), waiting_questions=lambda: 0, interval=0.05)
+    job = _claim(1, 1, 4)
+    sink.claimed([job])
+    deadline = time.monotonic() + 10
+    while out.getvalue().count("progress: 0/4 questions") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert out.getvalue().count("progress: 0/4 questions, 1 document(s) in flight") >= 2
+    sink.settled(_outcome(job, "released", 0))
+    sink.finished(WorkerSummary("w1", "m", "cpu", [_outcome(job, "released", 0)]))
+    ended = out.getvalue()
+    time.sleep(0.2)
+    assert out.getvalue() == ended and ended.splitlines()[-1].startswith("0 jobs done")

@@ -173,30 +173,56 @@ class _Base(ProgressSink):
 
 
 class LogProgress(_Base):
+    """Log lines: one per claim and settled job, and a progress line every `interval` seconds
+    while documents are in flight, printed by a thread of its own from the first claim to
+    `finished`, so that a long prefill or a decode of answers that all end late is not silent."""
+
     def __init__(self, console: Console, waiting_questions, interval: float = 10.0) -> None:
         super().__init__(console, waiting_questions)
         self.interval = interval
         self._last = time.monotonic()
+        self._due_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def claimed(self, claims) -> None:
         self.counters.claim(claims, self._waiting())
         self._print(claim_line(claims))
+        if self._ticker is None and not self._stop.is_set():
+            self._ticker = threading.Thread(target=self._tick, name="ppqa-progress-lines",
+                                            daemon=True)
+            self._ticker.start()
 
     def answered(self, claim, answer_tokens: int) -> None:
         self.counters.answer(claim, answer_tokens)
-        if time.monotonic() - self._last >= self.interval:
+        self._progress_if_due()
+
+    def _tick(self) -> None:
+        while True:
+            left = self.interval - (time.monotonic() - self._last)
+            if self._stop.wait(left if left > 0 else self.interval):
+                return
+            self._progress_if_due()
+
+    def _progress_if_due(self) -> None:
+        with self._due_lock:
+            if time.monotonic() - self._last < self.interval or not self.counters.in_flight:
+                return
             self._last = time.monotonic()
-            c = self.counters
-            self._print(
-                f"progress: {c.done}/{plural(c.total, 'question')}, {len(c.in_flight)} "
-                f"document(s) in flight, {c.tokens_per_second:.1f} tok/s, elapsed "
-                f"{_hms(c.elapsed)}, remaining ~{_hms(c.remaining)}")
+        c = self.counters
+        self._print(
+            f"progress: {c.done}/{plural(c.total, 'question')}, {len(c.in_flight)} "
+            f"document(s) in flight, {c.tokens_per_second:.1f} tok/s, elapsed "
+            f"{_hms(c.elapsed)}, remaining ~{_hms(c.remaining)}")
 
     def settled(self, outcome: JobOutcome) -> None:
         self.counters.settle(outcome, self._waiting())
         self._print(outcome_line(outcome))
 
     def finished(self, summary: WorkerSummary) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         self.counters.finish(summary, self._waiting())
         self._print(summary_line(summary))
 
