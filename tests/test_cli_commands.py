@@ -178,3 +178,23 @@ def test_run_passes_its_limits_and_peers_to_the_worker(cli, inputs, monkeypatch)
     defaults = WorkerOptions()
     assert (unsaid.peers, unsaid.max_jobs, unsaid.max_questions) == (
         1, defaults.max_jobs, defaults.max_questions)
+
+
+def test_run_once_with_nothing_to_claim_says_why_jobs_wait(cli, inputs, tmp_path):
+    """Open jobs that this worker cannot take: queued for another model, or running under
+    another worker's live lease. `ppqa run --once` exits 0 before loading anything and says
+    which (it said only "no jobs to run")."""
+    from ppqa.store import queue
+    from ppqa.store.db import open_db
+
+    cli("ingest", inputs / "doc.txt", inputs / "q.txt", "--model", "dummy:tiny-mha")
+    cli("ingest", inputs / "doc.txt", inputs / "q.jsonl")  # any model
+    db = open_db(tmp_path / "cli.db")
+    assert queue.claim_jobs(db, "other-host", 60, model="dummy:tiny-gqa")[0].job_id == 2
+    db.close()
+    result = cli("run", "--once", "--device", "cpu", "--model", "dummy:tiny-gqa")
+    assert result.exit_code == 0
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("no jobs to run for dummy:tiny-gqa in ")
+    assert "queued jobs ask for other models (dummy:tiny-mha: 1; run those with --model)" in line
+    assert "1 job running under other workers' leases (the first expires in " in line

@@ -155,8 +155,8 @@ def run(
         fail(str(exc))
     db = open_store(ctx, create=True)  # unreachable or corrupt: exit 2 before anything loads
     if not follow and not has_claimable(db, model):
-        # Nothing to do: say so without loading torch or the model.
-        say(f"no jobs to run in {db.description}")
+        # Nothing to do: say so, and why where jobs are open, without loading torch or the model.
+        say(f"no jobs to run for {model} in {db.description}{_why_none(db, model)}")
         if json_out:
             print_json(WorkerSummary(worker_id="-", model=model,
                                      device=device or ("auto" if gpu is None else f"cuda:{gpu}"))
@@ -239,6 +239,23 @@ def run(
 
 
 _SIGNAL_NAMES = ("SIGINT", "SIGTERM")
+
+
+def _why_none(db, model: str) -> str:
+    """What `ppqa run --once` adds to 'no jobs to run' when jobs are open: queued for other
+    models, or running under other workers' leases."""
+    from ppqa.store.lookups import unclaimable_work
+
+    others, leased, left = unclaimable_work(db, model)
+    parts = []
+    if others:
+        counts = ", ".join(f"{name}: {n}" for name, n in others.items())
+        parts.append(f"queued jobs ask for other models ({counts}; run those with --model)")
+    if leased:
+        parts.append(f"{leased} job{'s' * (leased != 1)} running under other workers' leases "
+                     f"(the first expires in {left:.0f} s; a worker that died leaves its jobs "
+                     "to be taken over then)")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _stop_on_signals(worker, progress) -> dict:

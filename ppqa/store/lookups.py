@@ -1,7 +1,7 @@
 """What a worker reads of the queue without claiming anything (store/queue.py claims): the
 answers still to write for queued jobs (its progress total; with running ones, the work that
 workers started together split), whether a claim would find a job
-(`ppqa run` exits at once on an empty queue), and the newest job id (a following worker's look
+(`ppqa run` exits at once on an empty queue) and why not while jobs are open, and the newest job id (a following worker's look
 for new jobs between its full claims)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from sqlalchemy import func, or_, select
 
 from ppqa.store.db import Database
-from ppqa.store.models import QUEUED, Job, Question
+from ppqa.store.models import QUEUED, RUNNING, Job, Question
 from ppqa.store.queue import answer_count, claimable
 
 
@@ -44,3 +44,24 @@ def newest_job_id(db: Database) -> int:
     a larger id: those wait for the worker's full poll."""
     with db.read() as conn:
         return int(conn.execute(select(func.coalesce(func.max(Job.id), 0))).scalar_one())
+
+
+def unclaimable_work(db: Database, model: str | None = None) -> tuple[dict[str, int], int, float | None]:
+    """Why a worker of `model` finds nothing to claim while jobs are open: (queued jobs per
+    other model, jobs of this model running under leases not yet expired, seconds until the
+    first of those leases expires or None)."""
+    with db.read() as conn:
+        now = db.now(conn)
+        others: dict[str, int] = {}
+        if model is not None:
+            rows = conn.execute(select(Job.model, func.count()).where(
+                Job.status == QUEUED, Job.model.is_not(None), Job.model != model)
+                .group_by(Job.model))
+            others = {name: int(n) for name, n in rows}
+        running = select(func.count(), func.min(Job.lease_expires_at)).where(
+            Job.status == RUNNING, Job.lease_expires_at >= now)
+        if model is not None:
+            running = running.where(or_(Job.model.is_(None), Job.model == model))
+        leased, first = conn.execute(running).one()
+    left = None if first is None else max((first - now).total_seconds(), 0.0)
+    return dict(sorted(others.items())), int(leased), left
