@@ -295,3 +295,46 @@ def test_chat_call_without_a_worker_times_out_and_cancels_its_job(idle):
         statuses = conn.execute(sql("SELECT status FROM jobs WHERE priority = 1")).scalars().all()
     db.close()
     assert statuses == ["cancelled"]
+
+
+def test_a_stopping_server_ends_waiting_chat_calls_at_once(tmp_path):
+    """SIGTERM while a chat call waits for a worker that never comes: the call is answered 503
+    and its job cancelled within seconds, and the server exits; it used to hold the shutdown
+    until the call timed out (--request-timeout, 600 s by default)."""
+    import threading
+
+    from sqlalchemy import text as sql
+
+    from ppqa.store.db import open_db
+
+    server = Server(tmp_path, "--request-timeout", "300")
+    outcome = {}
+
+    def ask():
+        try:
+            server.client(max_retries=0, timeout=120).chat.completions.create(
+                **chat_body(TOWN, "Who keeps the harbour?"))
+        except openai.APIStatusError as exc:
+            outcome["status"], outcome["message"] = exc.status_code, str(exc)
+
+    caller = threading.Thread(target=ask)
+    caller.start()
+    db = open_db(server.db)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with db.read() as conn:
+                if conn.execute(sql("SELECT count(*) FROM jobs")).scalar_one():
+                    break
+            time.sleep(0.1)
+        stopped = time.monotonic()
+        server.process.terminate()
+        caller.join(timeout=30)
+        assert server.process.wait(timeout=30) is not None
+        assert time.monotonic() - stopped < 20
+        assert outcome.get("status") == 503 and "shutting down" in outcome["message"], outcome
+        with db.read() as conn:
+            assert conn.execute(sql("SELECT status FROM jobs")).scalars().all() == ["cancelled"]
+    finally:
+        db.close()
+        server.stop()

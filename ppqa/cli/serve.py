@@ -5,7 +5,8 @@ model loaded before the server listens, so a bad option exits 2 with one line. W
 --worker only the model's tokenizer is loaded (prompts are rendered at the server) and
 `ppqa run` processes on the same store answer; with it, a `Worker` (`--follow`) runs on a
 thread of this process. SIGINT/SIGTERM stop uvicorn, which stops the worker (unfinished jobs
-are released, as `ppqa run` does).
+are released, as `ppqa run` does); chat calls still waiting then answer 503 (their jobs
+cancelled), and other requests get SHUTDOWN_GRACE_SECONDS to finish.
 """
 
 from typing import Annotated
@@ -17,6 +18,10 @@ from ppqa.modes import check_mode
 from ppqa.worker.options import WorkerOptions
 
 app = typer.Typer()
+
+# How long a stopping server lets requests in progress (an upload, say) finish before it closes
+# their connections; waiting chat calls end at once (`ServerConfig.closing`).
+SHUTDOWN_GRACE_SECONDS = 10
 
 EXAMPLES = """
 
@@ -97,7 +102,15 @@ def serve(
     where = "a worker in this process" if worker else "ppqa run workers on this store"
     say(f"ppqa serve: http://{host}:{port}/v1 (model {model}, answered by {where}; store "
         f"{db.description})")
-    uvicorn.run(create_app(config), host=host, port=port, log_level="warning")
+    app = create_app(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            config.closing.set()  # waiting chat calls answer 503 now, so the shutdown is prompt
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                          timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)).run()
 
 
 def _worker(db, model: str, gpu, device, mode: str, max_jobs: int, lease_seconds: float,

@@ -8,7 +8,9 @@
 Any worker on the store answers (`ppqa run`, or the server's own with `--worker`); calls that
 share a document are claimed together and decoded in one engine run. ONE poll loop per server
 reads the answers of every waiting call in one query per tick, however many wait. A call whose
-client went away, or that waits longer than the timeout, has its jobs cancelled.
+client went away, that waits longer than the timeout, or that still waits when the server
+begins to shut down (`closing`: answered 503 within a second, so that the server can stop),
+has its jobs cancelled.
 """
 
 from __future__ import annotations
@@ -36,11 +38,17 @@ class ChatFailed(RuntimeError):
     """The call's job ended without an answer (failed, or cancelled by someone)."""
 
 
+class ServerClosing(RuntimeError):
+    """The server began to shut down while the call waited; its jobs are cancelled."""
+
+
 class AnswerWaiter:
     """Futures for sets of question ids, resolved by one polling task (module doc)."""
 
-    def __init__(self, db: Database, poll_seconds: float) -> None:
+    def __init__(self, db: Database, poll_seconds: float,
+                 closing: threading.Event | None = None) -> None:
         self.db, self.poll_seconds = db, poll_seconds
+        self.closing = closing or threading.Event()
         self._waiting: dict[int, tuple[list[int], asyncio.Future]] = {}
         self._task: asyncio.Task | None = None
         self._next = 0
@@ -48,7 +56,7 @@ class AnswerWaiter:
     async def wait(self, question_ids: list[int], timeout: float,
                    gone: Callable[[], Awaitable[bool]]) -> list[ChoiceResult] | None:
         """The questions' results once each is answered or its job ended; None if the client
-        is `gone()` or `timeout` seconds pass first."""
+        is `gone()`, `timeout` seconds pass or the server is `closing` first."""
         future = asyncio.get_running_loop().create_future()
         key, self._next = self._next, self._next + 1
         self._waiting[key] = (question_ids, future)
@@ -58,7 +66,7 @@ class AnswerWaiter:
         try:
             while not future.done():
                 left = deadline - time.monotonic()
-                if left <= 0 or await gone():
+                if left <= 0 or self.closing.is_set() or await gone():
                     return None
                 await asyncio.wait([future], timeout=min(1.0, left))
             return future.result()
@@ -93,9 +101,10 @@ def _ended(choice: ChoiceResult) -> bool:
 
 class ChatService:
     def __init__(self, db: Database, model: PromptModel, plan_lock: threading.Lock, *,
-                 poll_seconds: float = 0.1, timeout: float = 600.0) -> None:
+                 poll_seconds: float = 0.1, timeout: float = 600.0,
+                 closing: threading.Event | None = None) -> None:
         self.db, self.model, self.plan_lock, self.timeout = db, model, plan_lock, timeout
-        self.waiter = AnswerWaiter(db, poll_seconds)
+        self.waiter = AnswerWaiter(db, poll_seconds, closing)
 
     def submit(self, body: object) -> tuple[list[int], int]:
         """Queue a call; (its question ids, its prompt tokens). RequestError for a bad body."""
@@ -110,11 +119,15 @@ class ChatService:
 
     async def complete(self, body: object, gone: Callable[[], Awaitable[bool]]) -> dict | None:
         """The chat.completion for `body`; None if the client went away or it timed out
-        (its jobs are then cancelled); ChatFailed if a job ended without an answer."""
+        (its jobs are then cancelled); ChatFailed if a job ended without an answer;
+        ServerClosing if the server began to shut down first (its jobs cancelled)."""
         question_ids, prompt_tokens = await asyncio.to_thread(self.submit, body)
         results = await self.waiter.wait(question_ids, self.timeout, gone)
         if results is None:
             await asyncio.to_thread(self._cancel, question_ids)
+            if self.waiter.closing.is_set():
+                raise ServerClosing("the server is shutting down; the request was not answered "
+                                    "(its job is cancelled)")
             return None
         unanswered = [c for c in results if c.text is None]
         if unanswered:

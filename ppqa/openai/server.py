@@ -9,7 +9,8 @@ job store.
 
 Every error is an OpenAI error body ({"error": {message, type, param, code}}) with its status:
 400 bad request, 401 wrong or missing key (`--api-key`), 404 unknown id or route, 413 too
-large, 500/504 when answering failed or timed out. Route functions that touch the store are
+large, 500/504 when answering failed or timed out, 503 for a chat call still waiting when the
+server begins to shut down (`ServerConfig.closing`). Route functions that touch the store are
 plain `def`s (FastAPI runs them on its thread pool); the chat call is async, waiting on the
 shared poll loop. A `--worker` runs `ppqa.worker.loop.Worker` on a thread of this process, from
 startup to shutdown; a monitor finalizes due batches every `monitor_seconds`.
@@ -24,7 +25,7 @@ import logging
 import threading
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -35,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ppqa.openai import objects
 from ppqa.openai.batches import COMPLETION_WINDOWS, BatchService
-from ppqa.openai.chat import ChatFailed, ChatService
+from ppqa.openai.chat import ChatFailed, ChatService, ServerClosing
 from ppqa.openai.chat_request import RequestError
 from ppqa.openai.prompt_model import PromptModel
 from ppqa.store import openai_batches, openai_files
@@ -57,6 +58,10 @@ class ServerConfig:
     poll_seconds: float = 0.1
     request_timeout: float = 600.0
     monitor_seconds: float = 1.0
+    # Set when the server begins to shut down (`ppqa serve` sets it at SIGINT/SIGTERM): chat
+    # calls still waiting answer 503 at once rather than holding the shutdown until they time
+    # out.
+    closing: threading.Event = field(default_factory=threading.Event)
 
 
 class APIError(Exception):
@@ -71,7 +76,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     db, plan_lock = config.db, threading.Lock()
     batches = BatchService(db, config.model, plan_lock)
     chat = ChatService(db, config.model, plan_lock, poll_seconds=config.poll_seconds,
-                       timeout=config.request_timeout)
+                       timeout=config.request_timeout, closing=config.closing)
     started = int(time.time())
 
     @asynccontextmanager
@@ -181,6 +186,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             completion = await chat.complete(body, request.is_disconnected)
         except ChatFailed as exc:
             raise APIError(500, f"the request was not answered: {exc}", kind="server_error")
+        except ServerClosing as exc:
+            raise APIError(503, str(exc), kind="server_error", code="shutting_down")
         if completion is None:
             raise APIError(504, f"no answer within {config.request_timeout:g} s; is a worker "
                                 f"running model {config.model.name!r}? (ppqa run --follow, or "
