@@ -338,3 +338,35 @@ def test_a_stopping_server_ends_waiting_chat_calls_at_once(tmp_path):
     finally:
         db.close()
         server.stop()
+
+
+def test_a_chunked_upload_past_the_limit_is_refused_as_it_arrives(tmp_path):
+    """An upload without a Content-Length (chunked) that grows past --max-file-mb is refused
+    413 once the limit is crossed: the answer comes while the client has sent 2 MB of a body
+    that has not ended (the whole body used to be read, to a temporary file, first)."""
+    server = Server(tmp_path, "--max-file-mb", "1")
+    boundary = "ppqaboundary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            "filename=\"big.jsonl\"\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+            conn.sendall((f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          f"Authorization: Bearer {API_KEY}\r\nTransfer-Encoding: chunked\r\n"
+                          f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n"
+                          ).encode())
+            for chunk in [head] + [b"x" * 2**16] * 32:  # 2 MB of file, and no end
+                conn.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                part = conn.recv(65536)
+                if not part:
+                    break
+                reply += part
+            reply = reply.decode(errors="replace")
+        assert reply.startswith("HTTP/1.1 413") and "the request is larger than" in reply, reply
+        good = httpx.post(server.url + "/files", headers={"Authorization": f"Bearer {API_KEY}"},
+                          files={"file": ("ok.jsonl", b"{}\n")}, data={"purpose": "batch"})
+        assert good.status_code == 200, good.text
+    finally:
+        server.stop()

@@ -31,7 +31,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ppqa.openai import objects
@@ -115,15 +116,17 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @v1.post("/files")
     async def upload_file(request: Request) -> dict:
-        _check_length(request, config.max_file_bytes + 65536)
-        form = await request.form(max_files=1, max_fields=8)
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise APIError(400, "a multipart field 'file' is required", param="file")
-        if purpose not in FILE_PURPOSES:
-            raise APIError(400, f"purpose must be one of {', '.join(FILE_PURPOSES)}, got "
-                                f"{purpose!r}", param="purpose")
-        data = await upload.read(config.max_file_bytes + 1)
+        form = await _upload_form(request, config.max_file_bytes + 65536)
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise APIError(400, "a multipart field 'file' is required", param="file")
+            if purpose not in FILE_PURPOSES:
+                raise APIError(400, f"purpose must be one of {', '.join(FILE_PURPOSES)}, got "
+                                    f"{purpose!r}", param="purpose")
+            data = await upload.read(config.max_file_bytes + 1)
+        finally:
+            await form.close()
         if len(data) > config.max_file_bytes:
             raise APIError(413, f"the file is larger than {config.max_file_bytes} bytes",
                            param="file")
@@ -255,6 +258,29 @@ def _check_length(request: Request, limit: int) -> None:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request is larger than {limit} bytes")
+
+
+async def _upload_form(request: Request, limit: int) -> FormData:
+    """An upload's multipart form, its body counted as it arrives: past `limit` bytes it is a
+    413 at once, chunked uploads included (they carry no Content-Length to refuse them by;
+    Starlette's `request.form()` would read the whole body to a temporary file first)."""
+    _check_length(request, limit)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIError(400, "an upload is a multipart/form-data body with the fields 'file' and "
+                            "'purpose'")
+
+    async def counted():
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request is larger than {limit} bytes")
+            yield chunk
+
+    try:
+        return await MultiPartParser(request.headers, counted(), max_files=1, max_fields=8).parse()
+    except MultiPartException as exc:
+        raise APIError(400, f"the multipart body is malformed: {exc.message}") from None
 
 
 async def _json_body(request: Request, limit: int) -> Any:
