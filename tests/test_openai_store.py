@@ -3,10 +3,10 @@ batch cancelled while validating, expiry, finalization only when due, file bytes
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from ppqa.engine.loading.presets import preset_config
 from ppqa.openai.batch_in import plan_batch_file
@@ -84,6 +84,32 @@ def test_cancelled_while_validating_queues_nothing(any_db):
     with pytest.raises(StoreError, match="no longer validating"):
         batches.ingest_plan(any_db, plan(), model=MODEL, batch=row.public_id)
     assert job_count(any_db) == 0  # the jobs rolled back with the refusal
+
+
+def test_a_cancelling_batch_keeps_the_answers_its_worker_still_writes(any_db):
+    """Cancelled while a worker holds its job: `cancelling` until the job's lease runs out (the
+    worker lets go at its next heartbeat, writing what it answered meanwhile), then `cancelled`
+    with those answers in its output file; a queued batch's cancel ends it at once."""
+    row = new_batch(any_db)
+    row, _ = batches.ingest_plan(any_db, plan(), model=MODEL, batch=row.public_id)
+    [claim] = queue.claim_jobs(any_db, "w", 60)
+    assert batches.cancel_batch(any_db, row.public_id).status == "cancelling"
+    first = claim.questions[0]
+    queue.record_answers(any_db, [(first.id, "written after the cancel", 2, "stop", 0.1)],
+                         worker_id="w")
+    assert batches.finalize_batch(any_db, row.public_id, batch_files).status == "cancelling"
+    assert queue.heartbeat(any_db, "w", [claim.job_id], 60) == [claim.job_id]  # not its own
+    with any_db.write() as conn:  # the lease it had runs out
+        conn.execute(update(Job).where(Job.id == claim.job_id).values(
+            lease_expires_at=datetime(2000, 1, 1)))
+    row = batches.finalize_batch(any_db, row.public_id, batch_files)
+    assert row.status == "cancelled" and row.counts == (3, 1, 2)
+    _, content = files.file_content(any_db, row.output_file_id)
+    assert "written after the cancel" in content.decode()
+    queued = new_batch(any_db)
+    queued, _ = batches.ingest_plan(any_db, plan(2), model=MODEL, batch=queued.public_id)
+    queued = batches.cancel_batch(any_db, queued.public_id)
+    assert batches.finalize_batch(any_db, queued.public_id, batch_files).status == "cancelled"
 
 
 def test_expired_batch_cancels_its_jobs_and_reports_them(any_db):

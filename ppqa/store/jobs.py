@@ -188,12 +188,14 @@ def cancel_job(db: Database, job_id: int) -> str:
 
 def cancel_open_jobs(conn: Connection, now: datetime, job_ids: list[int]) -> list[int]:
     """Cancel those of `job_ids` still queued or running, inside the caller's transaction (a
-    batch cancelled as a whole); as `cancel_job`, a worker on one lets go at its heartbeat."""
+    batch cancelled as a whole); as `cancel_job`, a worker on one lets go at its heartbeat. A
+    running job keeps its `lease_expires_at`: the moment by which its worker has let go, having
+    written what it answered meanwhile (a cancelling batch waits for it)."""
     open_ids = list(conn.execute(select(Job.id).where(
         Job.id.in_(job_ids), Job.status.in_((QUEUED, RUNNING)))).scalars())
     if open_ids:
         conn.execute(update(Job).where(Job.id.in_(open_ids)).values(
-            status=CANCELLED, finished_at=now, lease_owner=None, lease_expires_at=None))
+            status=CANCELLED, finished_at=now, lease_owner=None))
     return open_ids
 
 

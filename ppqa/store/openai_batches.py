@@ -197,7 +197,8 @@ def due_batches(db: Database) -> list[str]:
 
 def cancel_batch(db: Database, batch: str) -> BatchRow:
     """Validating: cancelled at once. In progress: its open jobs cancelled, the batch
-    `cancelling` until `finalize_batch` writes what was answered. Else StoreError."""
+    `cancelling` until `finalize_batch` writes what was answered, once no worker may still
+    deliver an answer for it (the leases its running jobs had have run out). Else StoreError."""
     with db.write() as conn:
         now = db.now(conn)
         pk = _pk(conn, batch, lock=True)
@@ -235,6 +236,9 @@ def finalize_batch(db: Database, batch: str,
         elif conn.execute(select(Job.id).where(Job.id.in_(job_ids),
                                                Job.status.in_((QUEUED, RUNNING)))).first():
             return row
+        elif row.status == CANCELLING and conn.execute(select(Job.id).where(
+                Job.id.in_(job_ids), Job.lease_expires_at >= now)).first():
+            return row  # a worker may still be writing answers of a job cancelled under it
         final = EXPIRED if expired else CANCELLED if row.status == CANCELLING else COMPLETED
         conn.execute(update(OpenAIBatch).where(OpenAIBatch.id == pk).values(
             status=final, finalizing_at=now))  # what make_files sees (error codes)
