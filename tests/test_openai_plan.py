@@ -59,6 +59,10 @@ def test_body_defaults_follow_the_openai_api_and_ignore_the_model():
     assert (req.temperature, req.top_p, req.seed, req.n, req.stop, req.max_tokens) == \
         (1.0, 1.0, None, 1, (), None)  # no seed: the plan draws one
     assert req.ignored == ("model",)
+    # What clients send with tools off: no tools, and a tool-call option with nothing to call.
+    harmless = parse_chat_body({"messages": [{"role": "user", "content": "q"}], "tools": [],
+                                "parallel_tool_calls": True})
+    assert harmless.ignored == ("parallel_tool_calls",)
     assert parse_chat_body({"messages": [{"role": "user", "content": "q"}],
                             "max_completion_tokens": 7, "stop": "\n"}).max_tokens == 7
 
@@ -69,7 +73,9 @@ def test_body_defaults_follow_the_openai_api_and_ignore_the_model():
         "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
      "response_format.json_schema.schema", "cannot be compiled: Unimplemented keys"),
     ({"response_format": {"type": "json_object"}, "stop": "}"}, "stop", "cannot be combined"),
-    ({"tools": []}, "tools", "unsupported field 'tools'"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools=.* is not supported \\(only \\[\\]\\)"),
+    ({"audio": {"voice": "alloy"}}, "audio", "unsupported field 'audio'"),
     ({"stream": True}, "stream", "stream=True is not supported"),
     ({"max_tokens": 0}, "max_tokens", "at least 1"),
     ({"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens", "not both"),

@@ -232,7 +232,7 @@ def test_api_errors_are_openai_error_bodies(served):
     with pytest.raises(openai.BadRequestError, match="endpoint must be"):
         client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
                               completion_window="24h")
-    with pytest.raises(openai.BadRequestError, match="unsupported field 'tools'"):
+    with pytest.raises(openai.BadRequestError, match="tools=.* is not supported"):
         client.chat.completions.create(**chat_body(FERRY, "When?"), tools=[{
             "type": "function", "function": {"name": "f", "parameters": {}}}])
     response = httpx.post(served.url + "/chat/completions", content=b"{oops",

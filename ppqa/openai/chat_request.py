@@ -29,10 +29,10 @@ MAX_SEED = 2**62  # seeds offset per choice must stay within int64
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Named in the ingest summary and otherwise ignored: they do not change the answer.
 IGNORED_FIELDS = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key",
-                  "safety_identifier")
+                  "safety_identifier", "parallel_tool_calls")
 # Accepted only at the value that means "off", the only behaviour ppqa has.
 DEFAULT_ONLY = {"stream": False, "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0,
-                "presence_penalty": 0, "logit_bias": {}, "stream_options": None}
+                "presence_penalty": 0, "logit_bias": {}, "stream_options": None, "tools": []}
 SUPPORTED = ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
              "stop", "n", "response_format")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
