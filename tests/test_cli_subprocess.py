@@ -160,3 +160,16 @@ def test_exit_with_a_message_prints_it_and_means_1_and_without_torch_raises():
                            "    print('raised', e.code, 'torch' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "raised 3 False", done.stderr
+
+
+def test_exit_with_an_idle_executor_alive_ends(tmp_path):
+    """A thread pool left idle (the grammar masks' one, after a JSON-schema job) must not keep
+    the process from ending: `ppqa run --once` hung after its summary line."""
+    program = ("import torch\nfrom concurrent.futures import ThreadPoolExecutor\n"
+               "pool = ThreadPoolExecutor(1)\npool.submit(lambda: 1).result()\n"
+               "import threading\nended = threading.Thread(target=lambda: print('joined'))\n"
+               "ended.start()\n"
+               "from ppqa.cli.app import _exit\n_exit(4)")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 4 and "joined" in done.stdout, done.stderr

@@ -143,9 +143,10 @@ def _exit(code) -> None:
     import os
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # Python's own first step: the threading exit hooks (which tell idle executor threads, such
+    # as the grammar masks' pool, to end), then a join of every non-daemon thread. Joining
+    # without the hooks waits forever on an idle executor's thread.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
