@@ -216,3 +216,32 @@ def test_nul_characters_are_refused_in_input_and_replaced_in_answers(any_db):
     assert queue.record_answer(any_db, ids[1], "\x00", 1, "length", worker_id="w1")
     texts = sorted(row["answer"] for row in export_rows(any_db, job_ids=[job], include_all=True))
     assert texts == ["a\ufffdb", "\ufffd"]
+
+
+def test_an_export_keeps_a_replaced_files_mode_and_appends_through_dev_stdout(
+        sqlite_db, finished, tmp_path):
+    """Overwriting an export keeps the file's permissions (a 0600 file stayed private only
+    until the next export); /dev/stdout redirected to a file is appended to, not truncated."""
+    import os
+    import subprocess
+    import sys
+
+    rows = export_rows(sqlite_db)
+    private = tmp_path / "private.csv"
+    private.write_text("old\n")
+    private.chmod(0o600)
+    write_export(rows, str(private), "csv")
+    assert private.stat().st_mode & 0o777 == 0o600 and "old" not in private.read_text()
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    program = ("import json, sys\nprint('before', flush=True)\n"
+               "from ppqa.files.export import write_export\n"
+               "write_export(json.load(open(sys.argv[1])), '/dev/stdout', 'jsonl')\n"
+               "print('after', flush=True)\n")
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stream:
+        subprocess.run([sys.executable, "-c", program, str(tmp_path / "rows.json")],
+                       stdout=stream, check=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    lines = out.read_text().splitlines()
+    assert lines[0] == "before" and lines[-1] == "after"
+    assert [json.loads(line) for line in lines[1:-1]] == rows

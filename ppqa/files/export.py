@@ -2,8 +2,8 @@
 
 A regular file (or a new one) is written atomically: a temporary file in the same folder,
 fsynced, then renamed over the target, so a failure (a full disk) leaves the old file intact.
-Anything else (a FIFO, a device, a path under /dev or /proc such as /dev/stdout) is written
-through, never replaced. CSV files start with a UTF-8 byte order mark so that spreadsheet
+A file replaced keeps its permissions. Anything else (a FIFO, a device, a path under /dev or
+/proc) is written through, appended to, never replaced; /dev/stdout is stdout itself, as `-`. CSV files start with a UTF-8 byte order mark so that spreadsheet
 programs read them as UTF-8; quoting follows RFC 4180, so commas, quotes and newlines inside
 answers survive, and a text cell that a spreadsheet would run as a formula (it starts with
 =, +, -, @, a tab or a CR: an answer can be steered by its document) gets a leading ' as
@@ -129,9 +129,14 @@ def _encoding(fmt: str) -> str:
     return "utf-8-sig" if fmt == "csv" else "utf-8"
 
 
+_STDOUT_NAMES = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+
+
 def write_export(rows: list[dict], dest: str, fmt: str) -> None:
     """Write `rows` to `dest` (`-`: stdout) in `fmt`, atomically or through (module doc);
     OutputError with one line when it cannot be written."""
+    if dest in _STDOUT_NAMES:  # our own stdout, not a reopening (which has its own offset)
+        dest = "-"
     if dest == "-":
         try:
             _write(rows, fmt, sys.stdout)
@@ -146,7 +151,8 @@ def write_export(rows: list[dict], dest: str, fmt: str) -> None:
     through = _writes_through(dest)
     try:
         if through:
-            with open(dest, "w", encoding=_encoding(fmt), newline="") as stream:
+            # Appending: a path that reopens a redirected stream must not truncate it.
+            with open(dest, "a", encoding=_encoding(fmt), newline="") as stream:
                 _write(rows, fmt, stream)
         else:
             _replace(rows, Path(dest).resolve(), fmt)
@@ -162,9 +168,13 @@ def _replace(rows: list[dict], path: Path, fmt: str) -> None:
             _write(rows, fmt, stream)
             stream.flush()
             os.fsync(stream.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
+        if path.exists():  # a file replaced keeps its permissions
+            mode = stat.S_IMODE(path.stat().st_mode)
+        else:  # mkstemp makes 0600; a new file gets the usual mode
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
