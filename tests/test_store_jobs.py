@@ -245,3 +245,14 @@ def test_an_export_keeps_a_replaced_files_mode_and_appends_through_dev_stdout(
     lines = out.read_text().splitlines()
     assert lines[0] == "before" and lines[-1] == "after"
     assert [json.loads(line) for line in lines[1:-1]] == rows
+
+
+def test_a_question_with_choices_in_a_json_schema_job_is_refused(sqlite_db):
+    """Per-question choices (a JSONL or CSV line, a batch line) with a JSON schema: refused
+    as the shared --choices is, naming the question's line; nothing is stored."""
+    schema = '{"type": "object"}'
+    questions = [QuestionInput("1", "Free?", "q.jsonl:1"),
+                 QuestionInput("2", "Hourly?", "q.jsonl:2", choices=("yes", "no"))]
+    with pytest.raises(InputError, match="q.jsonl:2: a question with choices and a JSON schema"):
+        IngestRequest("Doc.", "doc", questions, GenerationParams(json_schema=schema))
+    assert count(sqlite_db, Job) == 0

@@ -70,7 +70,7 @@ def export_rows(db: Database, job_ids: list[int] | None = None, include_all: boo
         params = jobs[r.job_id] or {}
         model, mode = ran.get(r.job_id, (params.get("model"), params.get("mode")))
         answer = r.answer
-        if answer is not None and params.get("json_schema") is not None:
+        if answer is not None and params.get("json_schema") is not None and r.choices is None:
             answer = JsonAnswer(answer)
         row = {"job": r.job_id, "document": r.name, "question_id": r.custom_id,
                "question": r.text, "answer": answer, "finish_reason": r.finish_reason,

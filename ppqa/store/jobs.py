@@ -51,6 +51,11 @@ class IngestRequest:
             raise InputError(self._at("no questions"))
         if not self.name.strip():
             raise InputError(self._at("the document name is empty"))
+        chosen = next((q for q in self.questions if q.choices is not None), None)
+        if chosen is not None and self.params.json_schema is not None:
+            raise InputError(self._at(f"{chosen.where}: a question with choices and a JSON schema "
+                                      "do not go together: it is answered by choosing one of "
+                                      "its labels, not by generating JSON"))
         for what, value in (("document", self.document_text), ("document name", self.name)):
             if "\x00" in value:
                 raise InputError(self._at(f"the {what} contains a NUL character (\\u0000), "
