@@ -256,3 +256,17 @@ def test_a_question_with_choices_in_a_json_schema_job_is_refused(sqlite_db):
     with pytest.raises(InputError, match="q.jsonl:2: a question with choices and a JSON schema"):
         IngestRequest("Doc.", "doc", questions, GenerationParams(json_schema=schema))
     assert count(sqlite_db, Job) == 0
+
+
+def test_names_longer_than_their_columns_are_refused_on_every_backend(any_db):
+    """A question id, document name or model name longer than its column: an input error
+    naming it, on SQLite as on PostgreSQL (which refused it with a database error)."""
+    with pytest.raises(InputError, match="q.jsonl:1: the question id is 201 characters long"):
+        QuestionInput("i" * 201, "Long id?", "q.jsonl:1")
+    with pytest.raises(InputError, match="the document name is 501 characters long"):
+        request(name="n" * 501)
+    with pytest.raises(InputError, match="the model name is 201 characters long"):
+        request(model="m" * 201)
+    longest = IngestRequest("Doc.", "n" * 500, [QuestionInput("i" * 200, "Q?", "q:1")],
+                            GenerationParams(model="m" * 200))
+    assert ingest(any_db, [longest])[0].document_name == "n" * 500

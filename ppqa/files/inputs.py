@@ -32,6 +32,7 @@ from ppqa.templates import check_template, list_templates
 QUESTION_FORMATS = (".txt", ".jsonl", ".csv")
 MAX_INPUT_BYTES = 16 * 2**20  # per file; `ppqa ingest --max-input-mb` changes it
 _LINE_END = re.compile(r"\r\n|\r|\n")
+MAX_QUESTION_ID = 200  # questions.custom_id is a VARCHAR(200) (store/models.py)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class QuestionInput:
                 object.__setattr__(self, "choices", check_choices(self.choices))
             except ValueError as exc:
                 raise InputError(f"{self.where}: {exc}") from None
+        if len(self.custom_id) > MAX_QUESTION_ID:
+            raise InputError(f"{self.where}: the question id is {len(self.custom_id)} characters "
+                             f"long; the store takes up to {MAX_QUESTION_ID}")
         for what, value in (("question", self.text), ("question id", self.custom_id),
                             *(("choice", c) for c in self.choices or ())):
             if "\x00" in value:

@@ -30,6 +30,7 @@ from ppqa.templates import check_template
 
 
 MAX_PRIORITY = 2**31 - 1  # jobs.priority is a 32-bit INTEGER on PostgreSQL
+MAX_NAME, MAX_MODEL = 500, 200  # documents.name and jobs.model are VARCHARs of these lengths
 
 
 @dataclass
@@ -51,6 +52,11 @@ class IngestRequest:
             raise InputError(self._at("no questions"))
         if not self.name.strip():
             raise InputError(self._at("the document name is empty"))
+        for what, value, most in (("document name", self.name, MAX_NAME),
+                                  ("model name", self.params.model or "", MAX_MODEL)):
+            if len(value) > most:
+                raise InputError(self._at(f"the {what} is {len(value)} characters long; the "
+                                          f"store takes up to {most}"))
         chosen = next((q for q in self.questions if q.choices is not None), None)
         if chosen is not None and self.params.json_schema is not None:
             raise InputError(self._at(f"{chosen.where}: a question with choices and a JSON schema "
