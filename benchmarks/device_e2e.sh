@@ -81,6 +81,14 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step prefillab 240 python3 benchmarks/profile_prefill.py --models dummy:qwen2.5-7b+bpe,dummy:codellama-7b+bpe \
         --doc-tokens ${AB_LENGTHS:-16001,20483} --questions 18 --question-tokens 20 --chunk-paths \
         --out "$OUT/prefill_chunks.json" ;;
+    prefillchunk)  # document prefill at two chunk sizes (PREFILL_CHUNKS, max_prefill_tokens),
+      # each length met twice before its timed case (cuDNN's plans in hand)
+      for c in ${PREFILL_CHUNKS:-8192 16384}; do
+        step "prefillchunk_$c" 200 python3 benchmarks/profile_prefill.py \
+          --models dummy:qwen2.5-7b+bpe,dummy:codellama-7b+bpe --doc-tokens ${AB_LENGTHS:-16001,20483} \
+          --questions 18,256 --question-tokens 20 --chunk-paths --max-prefill-tokens "$c" \
+          --out "$OUT/prefill_chunk_$c.json"
+      done ;;
     pytestsel)  # the GPU tests PYTEST_SEL names (files or node ids), e.g. after a change to them
       step pytestsel 240 python3 -m pytest -q -n 4 -p no:cacheprovider ${PYTEST_SEL:?} ;;
     preload)  # whether a variant preloaded from its recorded data lands under its launch's key
