@@ -83,11 +83,15 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
         --out "$OUT/prefill_chunks.json" ;;
     prefillchunk)  # document prefill at two chunk sizes (PREFILL_CHUNKS, max_prefill_tokens),
       # each length met twice before its timed case (cuDNN's plans in hand)
-      for c in ${PREFILL_CHUNKS:-8192 16384}; do
-        step "prefillchunk_$c" 200 python3 benchmarks/profile_prefill.py \
-          --models dummy:qwen2.5-7b+bpe,dummy:codellama-7b+bpe --doc-tokens ${AB_LENGTHS:-16001,20483} \
-          --questions 18,256 --question-tokens 20 --chunk-paths --max-prefill-tokens "$c" \
-          --out "$OUT/prefill_chunk_$c.json"
+      # one model a process: an engine's memory outlives `del engine` within one, and the next
+      # engine's KV pool is sized from what is left free
+      for m in ${PREFILL_MODELS:-qwen2.5-7b codellama-7b}; do
+        for c in ${PREFILL_CHUNKS:-8192 16384}; do
+          step "prefillchunk_${m}_$c" 120 python3 benchmarks/profile_prefill.py \
+            --models "dummy:$m+bpe" --doc-tokens ${AB_LENGTHS:-16001,20483} \
+            --questions 18,256 --question-tokens 20 --chunk-paths --max-prefill-tokens "$c" \
+            --out "$OUT/prefill_chunk_${m}_$c.json"
+        done
       done ;;
     pytestsel)  # the GPU tests PYTEST_SEL names (files or node ids), e.g. after a change to them
       step pytestsel 240 python3 -m pytest -q -n 4 -p no:cacheprovider ${PYTEST_SEL:?} ;;

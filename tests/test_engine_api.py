@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ppqa import Engine, EngineConfig, PromptTooLongError, QuestionRequest, SamplingParams
+from ppqa.config import default_prefill_tokens
 from tests.helpers import assert_pool_holds_only_cached_documents, plain_template, tiny_engine
 
 
@@ -83,6 +84,7 @@ def test_sampling_params_normalizes_stop() -> None:
     ({"mem_fraction": 1.5}, r"mem_fraction must be in \(0, 1\]"),
     ({"default_streams": 0}, "default_streams must be an integer >= 1"),
     ({"dtype": "int8"}, "dtype must be one of float32, bfloat16, float16"),
+    ({"max_prefill_tokens": 0}, "max_prefill_tokens must be None or an integer >= 1"),
 ])
 def test_engine_config_checks(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -95,6 +97,11 @@ def test_engine_config_resolution() -> None:
     assert eng.config.attention_backend == "torch"
     assert eng.model_name == "dummy:tiny-mha" and eng.model_config.num_layers == 2
     assert eng.tokenizer.eos_token_ids == [257]
+    # a prefill chunk left to the device: the CPU's (its attention holds a chunk's scores)
+    assert EngineConfig().max_prefill_tokens is None
+    assert eng.config.max_prefill_tokens == default_prefill_tokens("cpu") == 8192
+    assert default_prefill_tokens("cuda") == 16384
+    assert tiny_engine("tiny-mha", max_prefill_tokens=96).config.max_prefill_tokens == 96
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ppqa import Engine
-from ppqa.config import EngineConfig
+from ppqa.config import EngineConfig, default_prefill_tokens
 from ppqa.engine import compile_helper, precompile
 
 
@@ -41,10 +41,17 @@ def test_the_marker_names_the_model_and_what_changes_the_kernels(triton_cache):
     assert precompile.marker("dummy:tiny-gqa", {"mem_fraction": 0.3}) == base  # pool size: no
     assert precompile.marker("dummy:tiny-gqa", {"max_batch_requests": 512}) != base
     assert precompile.marker("dummy:tiny-gqa", {"max_prefill_tokens": 4096}) != base
+    # a chunk left to the device is the GPU's, which a GPU engine resolves it to
+    assert precompile.marker("dummy:tiny-gqa", {"max_prefill_tokens": None}) == base
+    gpu_chunk = default_prefill_tokens("cuda")
+    assert precompile.marker("dummy:tiny-gqa", {"max_prefill_tokens": gpu_chunk}) == base
     assert precompile.marker("dummy:tiny-mha", {}) != base
-    # the engine's own (resolved) config gives the same marker as the fields a worker passes
+    # the engine's own (resolved) config gives the same marker as the fields a worker passes:
+    # device, dtype, backend and graphs resolved change nothing (this CPU engine's chunk is the
+    # CPU's, so it is put back to what a GPU engine resolves)
     engine = Engine("dummy:tiny-gqa", device="cpu", config=EngineConfig(kv_token_budget=4096))
-    assert precompile.marker(engine.model_name, vars(engine.config)) == base
+    resolved = dict(vars(engine.config), max_prefill_tokens=gpu_chunk)
+    assert precompile.marker(engine.model_name, resolved) == base
 
 
 def test_no_helpers_on_the_cpu_under_the_interpreter_or_on_a_warm_cache(triton_cache, monkeypatch):

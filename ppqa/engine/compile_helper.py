@@ -26,7 +26,7 @@ def shadow_engine(model: str, device: str, fields: dict):
     random weights, and a KV pool large enough for the warm-up (not a share of the GPU)."""
     import torch
 
-    from ppqa.config import EngineConfig
+    from ppqa.config import EngineConfig, default_prefill_tokens
     from ppqa.engine.engine import Engine
     from ppqa.engine.loading import presets
     from ppqa.engine.loading.loader import load_model
@@ -46,7 +46,8 @@ def shadow_engine(model: str, device: str, fields: dict):
         # The req_to_token rows keep the length the worker's large pool gives them (their
         # stride is part of what a kernel is compiled for); the pool holds the warm-up's tokens.
         row = config.max_row_tokens or 4 * shadow.max_position_embeddings
-        tokens = row + 2 * config.max_prefill_tokens + 64 * config.max_batch_requests
+        chunk = config.max_prefill_tokens or default_prefill_tokens("cuda")
+        tokens = row + 2 * chunk + 64 * config.max_batch_requests
         slot_bytes = KVPool.bytes_per_slot(1, shadow.num_kv_heads, shadow.head_dim, dtype)
         free, _ = torch.cuda.mem_get_info(torch.device(device))  # other helpers take some
         config = dataclasses.replace(config, max_row_tokens=row, mem_fraction=min(

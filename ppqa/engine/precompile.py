@@ -101,12 +101,15 @@ def marker(model: str, fields: dict) -> Path:
     """The file that says a warm-up of `model` with EngineConfig `fields` (those that change
     the kernels met; absent ones take EngineConfig's defaults) and today's kernel sources
     completed with this Triton cache."""
-    from ppqa.config import EngineConfig
+    from ppqa.config import EngineConfig, default_prefill_tokens
 
     defaults = vars(EngineConfig())
+    values = {k: fields.get(k, defaults[k]) for k in _WARMUP_FIELDS}
+    # Markers belong to a GPU's Triton cache: a field left to the device is the GPU's value,
+    # as the engine that marks the cache resolves it.
+    values["max_prefill_tokens"] = values["max_prefill_tokens"] or default_prefill_tokens("cuda")
     digest = hashlib.sha256()
-    digest.update(json.dumps([model, {k: fields.get(k, defaults[k]) for k in _WARMUP_FIELDS}],
-                             sort_keys=True, default=str).encode())
+    digest.update(json.dumps([model, values], sort_keys=True, default=str).encode())
     for source in sorted(Path(__file__).parent.parent.joinpath("kernels").glob("*.py")):
         digest.update(source.read_bytes())
     return triton_cache_dir() / f"{MARKER_PREFIX}{digest.hexdigest()[:20]}"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ppqa.config import EngineConfig
+from ppqa.config import EngineConfig, default_prefill_tokens
 from ppqa.engine import first_use
 from ppqa.engine.devices import resolve_device
 from ppqa.engine.runtime.document_cache import DocumentCache
@@ -136,7 +136,9 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
     graphs = (dev.type == "cuda" and backend_name == "triton" if config.cuda_graphs is None
               else config.cuda_graphs)
     config = dataclasses.replace(config, device=str(dev), dtype=dtype_name,
-                                 attention_backend=backend_name, cuda_graphs=graphs)
+                                 attention_backend=backend_name, cuda_graphs=graphs,
+                                 max_prefill_tokens=config.max_prefill_tokens
+                                 or default_prefill_tokens(dev.type))
     if dev.type == "cuda":
         # Beside a GPU the host's tensor work is bookkeeping of a few thousand elements, which
         # intra-op threads do not speed up; while the tokenizer's pool holds the cores, an op
