@@ -143,6 +143,10 @@ def test_help_explains_every_option_with_an_example():
     for option in ("--name", "--template", "--max-new-tokens", "--temperature", "--seed",
                    "--priority", "--json", "--batch", "--force", "--top-p", "--mode", "--model"):
         assert option in ingest_help
+    from ppqa.templates import list_templates
+
+    flat = " ".join(ingest_help.replace("│", " ").split())  # rich wraps and frames the help
+    assert f"a built-in name ({', '.join(list_templates())})" in flat and "raw" in list_templates()
     assert "0.1.0" in CliRunner().invoke(app, ["--version"]).stdout
 
 

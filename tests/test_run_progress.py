@@ -67,11 +67,11 @@ def test_rich_progress_draws_a_bar_per_document_in_flight():
     first, second = _claim(1, 1, 2), _claim(2, 7, 2)
     sink.claimed([first, second])
     sink.answered(first, 3)
-    assert _shown(sink) == ["all questions", "doc-1", "doc-7"]
+    assert _shown(sink) == ["all answers", "doc-1", "doc-7"]
     sink.answered(first, 3)
     sink.settled(_outcome(first, "done", 2))
     sink.settled(_outcome(second, "released", 0))
-    assert _shown(sink) == ["all questions"]
+    assert _shown(sink) == ["all answers"]
     summary = WorkerSummary("w1", "dummy:tiny-mha", "cpu", [_outcome(first, "done", 2)])
     sink.finished(summary)
     text = out.getvalue()
@@ -93,7 +93,7 @@ def test_many_documents_in_flight_show_a_few_bars_and_a_line_for_the_rest():
     sink.claimed(claims)
     shown = _shown(sink)
     bars = run_progress.MAX_DOCUMENT_BARS
-    assert shown == ["all questions", *[f"doc-{i}" for i in range(1, bars + 1)],
+    assert shown == ["all answers", *[f"doc-{i}" for i in range(1, bars + 1)],
                      f"and {11 - bars} more documents"]
     # A document that ends gives its bar to the next one waiting to be shown.
     sink.claimed([_claim(20, 1, 3)])  # a second job of doc-1: its bar's total grows
@@ -107,7 +107,7 @@ def test_many_documents_in_flight_show_a_few_bars_and_a_line_for_the_rest():
     assert next(t.completed for t in sink.bars.tasks if t.description.strip().startswith("and")) == 1
     for claim in claims[2:]:
         sink.settled(_outcome(claim, "done", 2))
-    assert _shown(sink) == ["all questions", "doc-1"]
+    assert _shown(sink) == ["all answers", "doc-1"]
 
 
 def test_plain_lines_when_stderr_is_not_a_terminal():
@@ -180,9 +180,9 @@ def test_log_lines_keep_coming_while_nothing_is_answered():
     job = _claim(1, 1, 4)
     sink.claimed([job])
     deadline = time.monotonic() + 10
-    while out.getvalue().count("progress: 0/4 questions") < 2 and time.monotonic() < deadline:
+    while out.getvalue().count("progress: 0/4 answers") < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert out.getvalue().count("progress: 0/4 questions, 1 document(s) in flight") >= 2
+    assert out.getvalue().count("progress: 0/4 answers, 1 document(s) in flight") >= 2
     sink.settled(_outcome(job, "released", 0))
     sink.finished(WorkerSummary("w1", "m", "cpu", [_outcome(job, "released", 0)]))
     ended = out.getvalue()

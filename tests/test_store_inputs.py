@@ -1,6 +1,7 @@
 """Reading documents, questions files (.txt, .jsonl, .csv), batch files and template names."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,8 @@ def test_batch_file(tmp_path):
     ('{"document": "D", "questions": "A?"}', "'questions' must be a list"),
     ('{"document": "D", "questions": []}', "no questions found"),
     ('{"document_path": "nope.txt", "questions": ["A?"]}', "nope.txt: no such document"),
+    ('{"document_path": null, "questions": ["A?"]}', "'document_path' must be a non-empty string"),
+    ('{"document_path": 7, "questions": ["A?"]}', "'document_path' must be .*got 7"),
     ('{"document": "D", "questions": ["A?"], "colour": 1}', "unknown key 'colour'"),
     ('{"document": "D", "questions": ["A?", "B?", {"question": "C?", "id": 2}]}',
      "duplicate question id '2'"),
@@ -100,6 +103,17 @@ def test_bad_batch_lines_are_named(tmp_path, line, message):
         read_batch(path)
 
 
+def test_questions_from_stdin_are_refused_before_it_is_read(monkeypatch):
+    class Unread:
+        @property
+        def buffer(self):
+            raise AssertionError("stdin was read")
+
+    monkeypatch.setattr(sys, "stdin", Unread())
+    with pytest.raises(InputError, match="questions cannot come from stdin.*give a file"):
+        read_questions("-")
+
+
 def test_templates(tmp_path):
     assert "qa" in list_templates()
     assert resolve_template("qa") == "qa"
@@ -107,6 +121,12 @@ def test_templates(tmp_path):
     assert resolve_template(str(custom)) == str(custom.resolve())
     with pytest.raises(InputError, match="unknown template 'nope' \\(built-in: .*qa"):
         resolve_template("nope")
+    # a .jinja path that is not there is named as a file, not as an unknown built-in
+    with pytest.raises(InputError, match="template file '.*missing.jinja' does not exist"):
+        resolve_template(str(tmp_path / "missing.jinja"))
+    (tmp_path / "folder.jinja").mkdir()
+    with pytest.raises(InputError, match="template file '.*folder.jinja' is not a file"):
+        resolve_template(str(tmp_path / "folder.jinja"))
 
 
 def test_examples_are_valid_input():

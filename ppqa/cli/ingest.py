@@ -17,6 +17,7 @@ from ppqa.files.inputs import (MAX_INPUT_BYTES, parse_choices, read_batch, read_
                                read_json_schema, read_questions, read_template, with_choices)
 from ppqa.modes import MODES
 from ppqa.store.params import GenerationParams
+from ppqa.templates import list_templates
 
 app = typer.Typer()
 
@@ -72,7 +73,7 @@ def ingest(
         help="Document name shown in status and exports, e.g. --name q3-report. "
              "Default: the file name without extension.", show_default=False)] = None,
     template: Annotated[str, typer.Option(
-        help="Prompt template: a built-in name (qa, multiple_choice, label, judge) or a path "
+        help=f"Prompt template: a built-in name ({', '.join(list_templates())}) or a path "
              "to a .jinja file, e.g. --template label.")] = "qa",
     model: Annotated[str | None, typer.Option(
         help="Model this job needs, e.g. --model smollm2; only workers running it take the "

@@ -1,10 +1,10 @@
 """How `ppqa run` shows a worker's progress on stderr: Rich bars on a terminal, log lines elsewhere.
 
 Both renderers are `ProgressSink`s fed by the worker (`ppqa/worker/loop.py`) from its main
-thread and its heartbeat thread. `Counters` keeps what both show: questions done of total
-(total = answered + claimed and still open + what waits in the queue, re-read at each claim and
-each settled job, so that questions another worker took, or a stop gave back, are counted
-truthfully), answer tokens per second since the first claim, and the remaining time at the pace
+thread and its heartbeat thread. `Counters` keeps what both show: answers done of total
+(one per question, or per sample where a job asks for several; total = answered + claimed and
+still open + what waits in the queue, re-read at each claim and each settled job, so that
+answers another worker took, or a stop gave back, are counted truthfully), answer tokens per second since the first claim, and the remaining time at the pace
 since the first answer (recomputed whenever it is shown, so it grows while nothing is
 answered). `RichProgress` draws an overall bar plus one bar per document in flight and prints
 a line per claim and per settled job above them; `LogProgress` prints the same lines, and a
@@ -42,7 +42,7 @@ class Counters:
         self.started: float | None = None
         self.first_answer_at: float | None = None
         self.in_flight: dict[int, list] = {}  # document id -> [name, done, total, open jobs]
-        self.claimed: dict[int, int] = {}  # job id -> questions claimed
+        self.claimed: dict[int, int] = {}  # job id -> answers claimed
         self.lock = threading.Lock()
 
     def claim(self, claims, waiting: int) -> None:
@@ -153,7 +153,7 @@ class _Base(ProgressSink):
     def __init__(self, console: Console, waiting_questions) -> None:
         self.console = console
         self.counters = Counters()
-        self._waiting_questions = waiting_questions  # () -> questions still queued
+        self._waiting_questions = waiting_questions  # () -> answers still queued
 
     def _waiting(self) -> int:
         try:
@@ -211,7 +211,7 @@ class LogProgress(_Base):
             self._last = time.monotonic()
         c = self.counters
         self._print(
-            f"progress: {c.done}/{plural(c.total, 'question')}, {len(c.in_flight)} "
+            f"progress: {c.done}/{plural(c.total, 'answer')}, {len(c.in_flight)} "
             f"document(s) in flight, {c.tokens_per_second:.1f} tok/s, elapsed "
             f"{_hms(c.elapsed)}, remaining ~{_hms(c.remaining)}")
 
@@ -257,7 +257,7 @@ class RichProgress(_Base):
         self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                              TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
                              self.remaining, console=console, transient=False)
-        self.overall = self.bars.add_task("all questions", total=None, rate="")
+        self.overall = self.bars.add_task("all answers", total=None, rate="")
         self.remaining.overall_id = self.overall
         self.doc_tasks: dict[int, int] = {}  # every document in flight, in claim order
         self.more: int | None = None  # the last line: the documents past the bars, together
@@ -282,7 +282,7 @@ class RichProgress(_Base):
                 total=sum(t.total or 0 for t in hidden),
                 completed=sum(t.completed for t in hidden), rate="")
 
-    def _show_totals(self, description: str = "all questions") -> None:
+    def _show_totals(self, description: str = "all answers") -> None:
         self.bars.update(self.overall, total=self.counters.total, completed=self.counters.done,
                          description=description)
 
@@ -319,7 +319,7 @@ class RichProgress(_Base):
         self._print(outcome_line(outcome))
 
     def waiting(self) -> None:
-        self._show_totals("all questions (waiting for jobs)")
+        self._show_totals("all answers (waiting for jobs)")
 
     def finished(self, summary: WorkerSummary) -> None:
         self.counters.finish(summary, self._waiting())
@@ -328,7 +328,7 @@ class RichProgress(_Base):
         self.doc_tasks.clear()
         self._show_documents()
         stopped = f" (stopped by {summary.stopped_by})" if summary.stopped_by else ""
-        self._show_totals(f"all questions{stopped}")
+        self._show_totals(f"all answers{stopped}")
         self.bars.stop()
         self._print(summary_line(summary))
 

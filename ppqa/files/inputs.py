@@ -127,7 +127,10 @@ def read_document(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> tuple[s
 
 def read_questions(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[QuestionInput]:
     suffix = Path(str(path)).suffix.lower()
-    text = read_text(path, "questions file", max_bytes)
+    if str(path) == "-":  # refused before stdin is read: the format comes from the extension
+        raise InputError(f"questions cannot come from stdin ('-'): their format is the file's "
+                         f"extension ({', '.join(QUESTION_FORMATS)}); give a file")
+    text = read_text(path, "questions file", max_bytes)  # a missing file or a folder first
     if suffix not in QUESTION_FORMATS:
         raise InputError(f"{path}: unknown questions format {suffix or '(no extension)'!r}; "
                          f"use {', '.join(QUESTION_FORMATS)}")
@@ -284,8 +287,11 @@ def resolve_template(template: str) -> str:
     if template in list_templates():
         return template
     path = Path(template).expanduser()
-    if template.endswith(".jinja") and path.is_file():
-        return str(path.resolve())
+    if template.endswith(".jinja"):
+        if path.is_file():
+            return str(path.resolve())
+        why = "is not a file" if path.exists() else "does not exist"
+        raise InputError(f"template file {template!r} {why}")
     known = ", ".join(list_templates())
     raise InputError(f"unknown template {template!r} (built-in: {known}; or a path to a .jinja file)")
 
@@ -366,7 +372,10 @@ def read_batch(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[Batch
                                  f"{_size(max_bytes)} (raise it with --max-input-mb)")
             default_name = f"{Path(label).stem}-{where.rsplit(':', 1)[1]}"
         else:
-            doc_path = base / str(obj["document_path"])
+            if not isinstance(obj["document_path"], str) or not obj["document_path"].strip():
+                raise InputError(f"{where}: 'document_path' must be a non-empty string (a path "
+                                 f"relative to the batch file), got {obj['document_path']!r}")
+            doc_path = base / obj["document_path"]
             try:
                 doc, default_name = read_document(doc_path, max_bytes)
             except InputError as exc:
