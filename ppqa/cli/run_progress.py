@@ -4,11 +4,12 @@ Both renderers are `ProgressSink`s fed by the worker (`ppqa/worker/loop.py`) fro
 thread and its heartbeat thread. `Counters` keeps what both show: answers done of total
 (one per question, or per sample where a job asks for several; total = answered + claimed and
 still open + what waits in the queue, re-read at each claim and each settled job, so that
-answers another worker took, or a stop gave back, are counted truthfully), answer tokens per second since the first claim, and the remaining time at the pace
-since the first answer (recomputed whenever it is shown, so it grows while nothing is
-answered). `RichProgress` draws an overall bar plus one bar per document in flight and prints
-a line per claim and per settled job above them; `LogProgress` prints the same lines, and a
-progress line every `interval` seconds (for logs, CI and `nohup`). Every line is printed
+answers another worker took, or a stop gave back, are counted truthfully), answer tokens per
+second since the first claim, and the remaining time at the pace since the first answer
+(recomputed whenever it is shown, so it grows while nothing is answered). `RichProgress`
+draws an overall bar plus one bar per document in flight and prints a line per claim and per
+settled job above them; `LogProgress` prints the same lines, and a progress line every
+`interval` seconds (for logs, CI and `nohup`). Every line is printed
 without passwords (`common.redacted`).
 """
 
