@@ -362,9 +362,7 @@ def main() -> None:
                                                      for k, v in alone["gemms"].items()), flush=True)
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        engine.close()  # its memory back before the next model's pool is sized
     for c in results["cases"]:
         if "profile" in c:
             p = c["profile"]

@@ -235,3 +235,23 @@ def test_from_loaded_builds_the_same_engine_as_a_spec(tmp_path: Path) -> None:
                                           sampling=sp, template=tmpl)
     assert [a.token_ids for a in ours] == [a.token_ids for a in spec]
     assert [a.question_index for a in ours] == [0, 1]
+
+
+def test_close_lets_go_of_the_parts_at_once_and_the_engine_answers_nothing_after() -> None:
+    import gc
+    import weakref
+
+    gc.disable()  # no automatic collection may free them: only close
+    try:
+        with tiny_engine("tiny-gqa") as eng:
+            assert eng.answer("Some document text.", ["A question?"])[0].token_ids
+            pool = weakref.ref(eng.parts.pool)
+        assert pool() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match=r"this engine \(dummy:tiny-gqa\) is closed"):
+        eng.answer("Some document text.", ["A question?"])
+    with pytest.raises(RuntimeError, match="is closed"):
+        eng.session()
+    eng.close()  # idempotent
+

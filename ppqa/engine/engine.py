@@ -14,6 +14,7 @@ as above and ends with `shutdown()`; the others call `follow()` (engine/parallel
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import Callable, Sequence
 
@@ -65,12 +66,37 @@ class Engine:
     def parts(self) -> EngineParts:
         """The built parts (model, KV pool, req_to_token table, document cache, backend, runner),
         read-only, for inspection: work goes through `answer`, `run` and `session`."""
+        if self._parts is None:
+            raise RuntimeError(f"this engine ({self.model_name}) is closed")
         return self._parts
+
+    def close(self) -> None:
+        """Let go of the weights, the KV pool and the captured graphs now, so that the process
+        can build another engine in their memory: the parts refer to each other, so after a
+        plain `del engine` only Python's cycle collector frees them, at a time of its choosing
+        (on a GPU the next engine's pool, sized from the memory free, would come out small).
+        Idempotent; the engine answers nothing after it. `with Engine(...) as engine:` closes
+        at the block's end."""
+        if self._parts is None:
+            return
+        self.shutdown()
+        self._parts = None
+        gc.collect()
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def kv_capacity(self) -> int:
         """Tokens one request (document + questions + answers) may occupy at most."""
-        return min(self._parts.pool.allocator.capacity, self._parts.table.max_row_len)
+        return min(self.parts.pool.allocator.capacity, self.parts.table.max_row_len)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -84,13 +110,13 @@ class Engine:
     @property
     def captured_graphs(self) -> int:
         """Decode steps captured as CUDA graphs so far (one per step shape)."""
-        graphs = self._parts.runner.graphs
+        graphs = self.parts.runner.graphs
         return 0 if graphs is None else len(graphs.graphs)
 
     @property
     def rank(self) -> int:
         """This process's tensor-parallel rank (0 without tensor parallelism)."""
-        lockstep = self._parts.lockstep
+        lockstep = self.parts.lockstep
         return 0 if lockstep is None else lockstep.tp.rank
 
     def follow(self) -> None:
@@ -102,7 +128,7 @@ class Engine:
     def shutdown(self) -> None:
         """Rank 0 of a tensor-parallel engine: release the followers (their `follow()` returns).
         Idempotent; nothing to do without tensor parallelism."""
-        lockstep = self._parts.lockstep
+        lockstep = self.parts.lockstep
         if lockstep is not None and lockstep.is_leader and not lockstep.closed:
             lockstep.post("exit")
             lockstep.send()
@@ -111,7 +137,7 @@ class Engine:
     @property
     def kv_free_tokens(self) -> int:
         """KV slots free now (cached documents that no request holds count as used)."""
-        return self._parts.pool.allocator.num_free
+        return self.parts.pool.allocator.num_free
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -166,7 +192,7 @@ class Engine:
                 ) -> EngineSession:
         """A long-lived loop over this engine: `submit` questions while it runs, `step` it,
         answers go to `on_answer` as they finish (see engine/session.py)."""
-        lockstep = self._parts.lockstep
+        lockstep = self.parts.lockstep
         if lockstep is None:
             return EngineSession(self, on_answer, on_error)
         if not lockstep.is_leader:
@@ -270,9 +296,9 @@ class Engine:
             self.score(short, few, ["yes", "no", "not stated in the document"], mode="cascade")
 
         def tiles() -> None:
-            warm = getattr(self._parts.backend, "warm_cascade_tiles", None)
+            warm = getattr(self.parts.backend, "warm_cascade_tiles", None)
             if warm is not None and self.device.type == "cuda":
-                warm(self._parts.table.table,
+                warm(self.parts.table.table,
                      max(self.config.max_batch_requests, self.config.max_prefill_tokens))
 
         return [("long", long_document(many, ("cascade",))),

@@ -80,7 +80,7 @@ class EngineSession(SessionPrefill):
     def __init__(self, engine, on_answer: AnswerCallback | None = None,
                  on_error: ErrorCallback | None = None) -> None:
         self.engine = engine
-        self._parts = parts = engine._parts
+        self._parts = parts = engine.parts
         self.on_answer, self.on_error = on_answer, on_error
         self.sched = Scheduler(parts.pool, parts.table, parts.docs,
                                max_prefill_tokens=engine.config.max_prefill_tokens,
