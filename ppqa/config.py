@@ -17,13 +17,12 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # chunk prefills a 16k document 3-5% faster than two of 8k (one fused causal call, no merge;
 # benchmarks/results/h200/prefill_chunk_*_s28c3.json); the CPU's attention materialises a
 # chunk's scores against the whole document, which at 16k rows is gigabytes a layer.
-PREFILL_TOKENS = {"cuda": 16384}
-CPU_PREFILL_TOKENS = 8192
+GPU_PREFILL_TOKENS, CPU_PREFILL_TOKENS = 16384, 8192
 
 
 def default_prefill_tokens(device_type: str) -> int:
     """`max_prefill_tokens` where EngineConfig leaves it None, for a device type ("cuda", "cpu")."""
-    return PREFILL_TOKENS.get(device_type, CPU_PREFILL_TOKENS)
+    return GPU_PREFILL_TOKENS if device_type == "cuda" else CPU_PREFILL_TOKENS
 
 
 def dtype_name(dtype: object) -> str | None:
@@ -145,15 +144,14 @@ class EngineConfig:
                              f"got {self.kv_token_budget!r}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"EngineConfig.mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
-        for name in ("max_batch_requests", "default_streams", "max_prefill_tokens",
-                     "tensor_parallel"):
+        for name in ("max_batch_requests", "default_streams", "tensor_parallel"):
             value = getattr(self, name)
-            if value is None and name == "max_prefill_tokens":
-                continue  # the device's default (default_prefill_tokens)
             if not isinstance(value, int) or value < 1:
-                either = "None or " if name == "max_prefill_tokens" else ""
-                raise ValueError(f"EngineConfig.{name} must be {either}an integer >= 1, "
-                                 f"got {value!r}")
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_prefill_tokens is not None and (not isinstance(self.max_prefill_tokens, int)
+                                                    or self.max_prefill_tokens < 1):
+            raise ValueError(f"EngineConfig.max_prefill_tokens must be None or an integer >= 1, "
+                             f"got {self.max_prefill_tokens!r}")
         if self.max_row_tokens is not None and (not isinstance(self.max_row_tokens, int)
                                                 or self.max_row_tokens < 16):
             raise ValueError(f"EngineConfig.max_row_tokens must be None or an integer >= 16, "

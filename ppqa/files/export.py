@@ -1,18 +1,19 @@
 """Writing export files: the store's export rows to CSV, JSONL or JSON, or to stdout.
 
 A regular file (or a new one) is written atomically: a temporary file in the same folder,
-fsynced, then renamed over the target, so a failure (a full disk) leaves the old file intact.
-A file replaced keeps its permissions. Anything else (a FIFO, a device, a path under /dev or
-/proc) is written through, appended to, never replaced; /dev/stdout is stdout itself, as `-`. CSV files start with a UTF-8 byte order mark so that spreadsheet
-programs read them as UTF-8; quoting follows RFC 4180, so commas, quotes and newlines inside
-answers survive, and a text cell that a spreadsheet would run as a formula (it starts with
-=, +, -, @, a tab or a CR: an answer can be steered by its document) gets a leading ' as
-OWASP advises. JSON and JSONL keep every value exactly; the answers of a job with a JSON
-schema are written there as the JSON values they are (in CSV, as their JSON text). When any row
-is a question with choices, the CSV gains the store's CHOICE_COLUMNS, `choice_scores` as compact
-JSON text (one fixed set of columns whatever the labels; the README says why); when any is a
-job of several samples, a `sample` column; when any is a question with choices in such a job,
-its question's `vote` and `vote_share` (store/export.py).
+fsynced, then renamed over the target, so a failure (a full disk) leaves the old file intact. A
+file replaced keeps its permissions. Anything else (a FIFO, a device, a path under /dev or
+/proc) is written through, appended to, never replaced; /dev/stdout is stdout itself, as `-`.
+CSV files start with a UTF-8 byte order mark so that spreadsheet programs read them as UTF-8;
+quoting follows RFC 4180, so commas, quotes and newlines inside answers survive, and a text cell
+that a spreadsheet would run as a formula (it starts with =, +, -, @, a tab or a CR: an answer
+can be steered by its document) gets a leading ' as OWASP advises. JSON and JSONL keep every
+value exactly; the answers of a job with a JSON schema are written there as the JSON values they
+are (in CSV, as their JSON text). When any row is a question with choices, the CSV gains the
+store's CHOICE_COLUMNS, `choice_scores` as compact JSON text (one fixed set of columns whatever
+the labels; the README says why); when any is a job of several samples, a `sample` column; when
+any is a question with choices in such a job, its question's `vote` and `vote_share`
+(store/export.py).
 """
 
 from __future__ import annotations

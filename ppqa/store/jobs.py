@@ -30,7 +30,8 @@ from ppqa.templates import check_template
 
 
 MAX_PRIORITY = 2**31 - 1  # jobs.priority is a 32-bit INTEGER on PostgreSQL
-MAX_NAME, MAX_MODEL = 500, 200  # documents.name and jobs.model are VARCHARs of these lengths
+MAX_NAME = Document.__table__.c.name.type.length  # VARCHARs: PostgreSQL refuses longer text
+MAX_MODEL = Job.__table__.c.model.type.length
 
 
 @dataclass
