@@ -188,3 +188,36 @@ def test_log_lines_keep_coming_while_nothing_is_answered():
     ended = out.getvalue()
     time.sleep(0.2)
     assert out.getvalue() == ended and ended.splitlines()[-1].startswith("0 jobs done")
+
+
+def test_the_queue_is_read_at_most_every_interval_and_claims_come_off_the_last_read(
+        monkeypatch):
+    """The waiting answers are a sum over the queue: read at the first claim, then at most
+    every WAITING_READ_SECONDS; in between, this worker's claims are taken off the last read,
+    and the worker's end always reads it again."""
+    now = [100.0]
+    monkeypatch.setattr(run_progress, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    reads, queued = [], [20]
+
+    def waiting():
+        reads.append(now[0])
+        return queued[0]
+
+    sink = LogProgress(Console(file=io.StringIO()), waiting_questions=waiting)
+    a, b, c = _claim(1, 1, 4), _claim(2, 2, 3), _claim(3, 3, 2)
+    queued[0] = 16  # the store, read after the claim, no longer holds a's questions
+    sink.claimed([a])
+    assert reads == [100.0] and sink.counters.total == 4 + 16
+    now[0] += run_progress.WAITING_READ_SECONDS / 2
+    queued[0] = 13
+    sink.claimed([b])
+    assert len(reads) == 1 and sink.counters.total == 4 + 3 + 13  # 16 read, less b's 3
+    sink.settled(_outcome(a, "done", 0))
+    assert len(reads) == 1 and sink.counters.total == 3 + 13
+    now[0] += run_progress.WAITING_READ_SECONDS
+    queued[0] = 30  # another 19 ingested meanwhile
+    sink.claimed([c])
+    assert len(reads) == 2 and sink.counters.total == 3 + 2 + 30
+    queued[0] = 0
+    sink.finished(WorkerSummary("w1", "m", "cpu", []))
+    assert len(reads) == 3 and sink.counters.total == 0

@@ -3,14 +3,15 @@
 Both renderers are `ProgressSink`s fed by the worker (`ppqa/worker/loop.py`) from its main
 thread and its heartbeat thread. `Counters` keeps what both show: answers done of total
 (one per question, or per sample where a job asks for several; total = answered + claimed and
-still open + what waits in the queue, re-read at each claim and each settled job, so that
-answers another worker took, or a stop gave back, are counted truthfully), answer tokens per
-second since the first claim, and the remaining time at the pace since the first answer
-(recomputed whenever it is shown, so it grows while nothing is answered). `RichProgress`
-draws an overall bar plus one bar per document in flight and prints a line per claim and per
-settled job above them; `LogProgress` prints the same lines, and a progress line every
-`interval` seconds (for logs, CI and `nohup`). Every line is printed
-without passwords (`common.redacted`).
+still open + what waits in the queue, re-read at a claim or a settled job at most every
+WAITING_READ_SECONDS and at the end, so that answers another worker took, or a stop gave
+back, are counted truthfully; in between this worker's claims come off the last read), answer
+tokens per second since the first claim, and the remaining time at the pace since the first
+answer (recomputed whenever it is shown, so it grows while nothing is answered).
+`RichProgress` draws an overall bar plus one bar per document in flight and prints a line per
+claim and per settled job above them; `LogProgress` prints the same lines, and a progress line
+every `interval` seconds (for logs, CI and `nohup`). Every line is printed without passwords
+(`common.redacted`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from rich.text import Text
 
 from ppqa.cli.common import redacted
 from ppqa.worker.report import JobOutcome, ProgressSink, WorkerSummary
+
+
+# How often the progress total re-reads the answers waiting in the queue, a sum over the queued
+# jobs (9-14 ms at 20,000 of them: benchmarks/results/cpu/store_scale_{sqlite,pg}.json) that
+# the worker runs between two engine steps; in between, its claims come off the last read.
+WAITING_READ_SECONDS = 2.0
 
 
 def plural(n: int, word: str) -> str:
@@ -155,12 +162,25 @@ class _Base(ProgressSink):
         self.console = console
         self.counters = Counters()
         self._waiting_questions = waiting_questions  # () -> answers still queued
+        self._read_at: float | None = None  # when the store was last read, and what it said
+        self._read = 0
+        self._claimed_since = 0  # answers claimed since that read
 
-    def _waiting(self) -> int:
+    def _waiting(self, claimed: int = 0, fresh: bool = False) -> int:
+        """Answers still queued: read from the store at most every WAITING_READ_SECONDS (or
+        when `fresh`); in between, the last read less the answers this worker has claimed
+        since (`claimed`: the claim being counted). The read is a sum over the queue, and a
+        worker calls this between two engine steps at each claim and each settled job."""
+        now = time.monotonic()
+        if not fresh and self._read_at is not None and now - self._read_at < WAITING_READ_SECONDS:
+            self._claimed_since += claimed
+            return max(0, self._read - self._claimed_since)
         try:
-            return self._waiting_questions()
+            self._read = self._waiting_questions()
         except Exception:  # noqa: BLE001 - a display figure; the store may be briefly away
-            return 0
+            return max(0, self._read - self._claimed_since - claimed)
+        self._read_at, self._claimed_since = now, 0
+        return self._read
 
     def _print(self, text: str) -> None:
         self.console.print(redacted(text), markup=False)
@@ -187,7 +207,7 @@ class LogProgress(_Base):
         self._ticker: threading.Thread | None = None
 
     def claimed(self, claims) -> None:
-        self.counters.claim(claims, self._waiting())
+        self.counters.claim(claims, self._waiting(claimed=sum(c.answers_wanted for c in claims)))
         self._print(claim_line(claims))
         if self._ticker is None and not self._stop.is_set():
             self._ticker = threading.Thread(target=self._tick, name="ppqa-progress-lines",
@@ -224,7 +244,7 @@ class LogProgress(_Base):
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()
-        self.counters.finish(summary, self._waiting())
+        self.counters.finish(summary, self._waiting(fresh=True))
         self._print(summary_line(summary))
 
 
@@ -288,7 +308,7 @@ class RichProgress(_Base):
                          description=description)
 
     def claimed(self, claims) -> None:
-        self.counters.claim(claims, self._waiting())
+        self.counters.claim(claims, self._waiting(claimed=sum(c.answers_wanted for c in claims)))
         self._show_totals()
         self._print(claim_line(claims))
         for c in claims:
@@ -323,7 +343,7 @@ class RichProgress(_Base):
         self._show_totals("all answers (waiting for jobs)")
 
     def finished(self, summary: WorkerSummary) -> None:
-        self.counters.finish(summary, self._waiting())
+        self.counters.finish(summary, self._waiting(fresh=True))
         for task in self.doc_tasks.values():
             self.bars.remove_task(task)
         self.doc_tasks.clear()

@@ -26,6 +26,10 @@ from ppqa.worker.options import WorkerOptions
 # largest job id): a new job waits about this long, while the full claim, ~5 ms of SQL on the
 # engine loop's thread between two steps, stays at `poll_seconds`.
 ARRIVAL_PROBE_SECONDS = 0.2
+# How often a worker among peers re-reads the questions left to share: a sum over the queue's
+# jobs (9-14 ms at 20,000 of them: benchmarks/results/cpu/store_scale_{sqlite,pg}.json), run on
+# the engine loop's thread between two steps; a share moves slowly.
+SHARE_READ_SECONDS = 2.0
 
 
 class ClaimPacer:
@@ -74,12 +78,12 @@ class ClaimPacer:
         one claims: an even share of what is left, queued or claimed by any of them (None:
         all it has room for). One below it always exists while questions wait, so none is
         left unclaimed; an idle worker claims a document whatever its share. Read from the
-        store at most every ARRIVAL_PROBE_SECONDS: a sum over the whole queue, which a busy
+        store at most every SHARE_READ_SECONDS: a sum over the whole queue, which a busy
         worker would otherwise run between every two steps."""
         if self.options.peers <= 1:
             return None
         now = time.perf_counter()
-        if now - self._shared[0] < ARRIVAL_PROBE_SECONDS:
+        if now - self._shared[0] < SHARE_READ_SECONDS:
             return self._shared[1]
         try:
             left = lookups.waiting_questions(self.db, self.options.model, (QUEUED, RUNNING))
