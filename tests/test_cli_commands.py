@@ -202,3 +202,50 @@ def test_run_once_with_nothing_to_claim_says_why_jobs_wait(cli, inputs, tmp_path
     assert line.startswith("no jobs to run for dummy:tiny-gqa in ")
     assert "queued jobs ask for other models (dummy:tiny-mha: 1; run those with --model)" in line
     assert "1 job running under other workers' leases (the first expires in " in line
+
+
+def test_status_and_jobs_tables_stay_a_glance_over_many_documents(cli):
+    """Past 20 documents the status table lists the 20 with the most open work and adds the
+    rest up in one row (the columns still sum to the totals); past 50 jobs the jobs table
+    lists the newest 50 and says how many there are; --all and --json list everything."""
+    from ppqa.files.inputs import QuestionInput
+    from ppqa.store.jobs import IngestRequest, ingest
+
+    db = open_db(cli.db)
+    ingest(db, [IngestRequest(f"Document number {i}.", f"doc{i:02d}",
+                              [QuestionInput("1", "Which number?", "t:1")]) for i in range(60)])
+    for _ in range(45):  # the 45 oldest answered; two more claimed and left running
+        claim = queue.claim_jobs(db, "w1", 600)[0]
+        queue.record_answer(db, claim.questions[0].id, "A number.", 3, "stop", worker_id="w1")
+        queue.finish_job(db, claim.job_id, "w1", REPORT)
+    running = [queue.claim_jobs(db, "w1", 600)[0].job_id for _ in range(2)]
+    db.close()
+
+    shown = cli("status")
+    lines = shown.stdout.splitlines()
+    listed = [line.split()[1] for line in lines
+              if line.split()[:1] and line.split()[0].isdigit() and "more" not in line]
+    # Running first, then the 13 queued, then the newest of the done ones.
+    assert len(listed) == 20 and {f"doc{i - 1:02d}" for i in running} <= set(listed)
+    assert {f"doc{i:02d}" for i in range(47, 60)} <= set(listed)
+    assert listed == sorted(listed)  # in document order
+    rest = next(line for line in lines if "40 more" in line).split()
+    total = next(line for line in lines if "all documents" in line).split()
+    assert rest[2:] == ["0", "0", "40", "0", "0", "40/40"]
+    assert total[2:] == ["13", "2", "45", "0", "0", "45/60"]
+    assert "20 of 60 documents listed" in shown.stderr and "--all" in shown.stderr
+    every = cli("status", "--all").stdout
+    assert "doc00" in every and "more" not in every
+    assert len(json.loads(cli("status", "--json").stdout)["documents"]) == 60
+
+    jobs = cli("jobs")
+    rows = [line for line in jobs.stdout.splitlines() if line.split()[:1]
+            and line.split()[0].isdigit()]
+    assert [int(r.split()[0]) for r in rows] == list(range(60, 10, -1))
+    assert "the newest 50 of 60 jobs; --limit N or --all lists more" in jobs.stderr
+    assert cli("jobs", "--status", "done").stderr == ""  # all 45 listed: nothing to say
+    assert len([line for line in cli("jobs", "--all").stdout.splitlines()
+                if line.split()[:1] and line.split()[0].isdigit()]) == 60
+    assert cli("jobs", "--limit", "5").stderr == ""
+    assert len(json.loads(cli("jobs", "--json").stdout)) == 60
+    assert cli("jobs", "--all", "--limit", "3", ok=False).exit_code == 2

@@ -34,23 +34,43 @@ def _compact() -> Table:
     return Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
 
 
-def status_table(data: dict) -> Table:
+def status_table(data: dict, limit: int | None = None) -> Table:
+    """One row per document, then the totals. With more documents than `limit`, the rows are
+    the `limit` with the most open work (running jobs, then queued, then failed; the newest
+    first among equals), in document order, and one row adds up the others, so that the
+    columns still sum to the totals."""
     table = _compact()
     table.add_column("Doc", justify="right")
     table.add_column("Name", overflow="fold")
     for status in ("queued", "running", "done", "failed", "cancelled"):
         table.add_column(status.capitalize(), justify="right")
     table.add_column("Answered", justify="right")
-    for doc in data["documents"]:
+    documents, rest = data["documents"], []
+    if limit is not None and len(documents) > limit:
+        ranked = sorted(documents, key=_open_work, reverse=True)
+        shown = {id(doc) for doc in ranked[:limit]}
+        rest = [doc for doc in documents if id(doc) not in shown]
+        documents = [doc for doc in documents if id(doc) in shown]
+    for doc in documents:
         jobs = doc["jobs"]
         table.add_row(str(doc["document"]), doc["name"],
                       *[Text(str(jobs[s]), style=STATUS_STYLE[s] if jobs[s] else "dim") for s in jobs],
                       f"{doc['answered']}/{doc['questions']}")
+    if rest:
+        counts = {s: sum(doc["jobs"][s] for doc in rest) for s in rest[0]["jobs"]}
+        answered = f"{sum(d['answered'] for d in rest)}/{sum(d['questions'] for d in rest)}"
+        table.add_row("", *[Text(cell, style="dim") for cell in (
+            f"{len(rest):,} more", *map(str, counts.values()), answered)])
     totals = data["totals"]
     table.add_section()
     table.add_row("", "all documents", *[str(n) for n in totals["jobs"].values()],
                   f"{totals['answered']}/{totals['questions']}")
     return table
+
+
+def _open_work(doc: dict) -> tuple:
+    jobs = doc["jobs"]
+    return (jobs["running"] > 0, jobs["queued"] > 0, jobs["failed"] > 0, doc["document"])
 
 
 def jobs_table(jobs: list[dict]) -> Table:

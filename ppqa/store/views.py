@@ -79,6 +79,15 @@ def list_jobs(db: Database, status: str | None = None, limit: int | None = None)
     return [_job_dict(r, counts.get(r.id, 0)) for r in rows]
 
 
+def count_jobs(db: Database, status: str | None = None) -> int:
+    """How many jobs (of one status) the store holds."""
+    stmt = select(func.count(Job.id))
+    if status is not None:
+        stmt = stmt.where(Job.status == status)
+    with db.read() as conn:
+        return int(conn.execute(stmt).scalar_one())
+
+
 def job_detail(db: Database, job_id: int) -> dict:
     """One job with its questions, the answers so far and its speed reports; in a job of
     several samples, a row per sample, and for a question with choices its vote (export's)."""
