@@ -195,3 +195,25 @@ def test_a_claim_for_a_model_takes_only_its_jobs_and_unnamed_ones(sqlite_db, add
     add_job(sqlite_db, "For m2.", name="m2", model="m2")
     claims = queue.claim_jobs(sqlite_db, "w1", 600, model=model)
     assert [c.params.model for c in claims] == ([] if expected is None else [expected])
+
+
+def test_a_top_job_of_a_document_another_worker_holds_is_claimed_before_lower_ones(
+        sqlite_db, add_job):
+    """The only open job of the top priority belongs to a document another worker runs: a
+    claim takes it (before any lower priority), and reads as little of 440 lower jobs as of 40."""
+    held = add_job(sqlite_db, "Held document.", name="held", priority=5)
+    assert [c.job_id for c in queue.claim_jobs(sqlite_db, "w2", 600)] == [held]
+    queue_documents(sqlite_db, add_job, 40)
+    steps = []
+    for more in (0, 400):
+        queue_documents(sqlite_db, add_job, more, start=40)
+        later = add_job(sqlite_db, "Held document.", (f"Later {more}?",), name="held", priority=5)
+
+        def claim():
+            claims = queue.claim_jobs(sqlite_db, "w1", 600)
+            assert [c.job_id for c in claims] == [later]
+            queue.release_jobs(sqlite_db, "w1", [later])
+            cancel_job(sqlite_db, later)
+
+        steps.append(vm_steps(sqlite_db, claim))
+    assert steps[0] > 0 and steps[1] < 1.5 * steps[0], steps

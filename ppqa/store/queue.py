@@ -185,7 +185,8 @@ def _next_document(conn, now: datetime, model: str | None, worker_id: str, order
     """The row naming the document to claim next, or None. Among the claimable jobs of the top
     priority: a document with a job this worker runs (its KV is likely still in its engine),
     else the oldest one no other live worker runs (claiming that would prefill it twice), else
-    the first in the usual order.
+    the first in the usual order (at the top priority, then, where a concurrent claim holds
+    every top job, at any).
 
     Each look reads a bounded part of the queue, whatever its size: the documents held (the
     running jobs, a few per worker) are read first, and each ordered look is an index range
@@ -200,13 +201,12 @@ def _next_document(conn, now: datetime, model: str | None, worker_id: str, order
         Job.status == RUNNING, Job.lease_expires_at >= now)).all()
     mine = sorted({doc for doc, owner in held if owner == worker_id})
     others = sorted({doc for doc, owner in held if owner != worker_id})
-    if mine:
-        head = _first_open(conn, now, model, order, top, documents=mine)
+    looks = [{"documents": mine}] if mine else []
+    looks += [{"exclude": others}, {}] if others else [{}]
+    for look in looks:
+        head = _first_open(conn, now, model, order, top, **look)
         if head is not None:
             return head
-    head = _first_open(conn, now, model, order, top, exclude=others)
-    if head is not None:
-        return head
     # Every top job is locked by a concurrent claim (PostgreSQL's SKIP LOCKED): any priority.
     return _first_open(conn, now, model, order)
 
