@@ -249,3 +249,18 @@ def test_status_and_jobs_tables_stay_a_glance_over_many_documents(cli):
     assert cli("jobs", "--limit", "5").stderr == ""
     assert len(json.loads(cli("jobs", "--json").stdout)) == 60
     assert cli("jobs", "--all", "--limit", "3", ok=False).exit_code == 2
+
+
+def test_a_large_batch_is_told_in_one_line(cli, inputs):
+    """Past 20 jobs a batch ingest says what it queued in one line on stderr (a line a job
+    would bury the terminal); stdout still has every job id, one a line."""
+    lines = [{"document": f"Text number {i // 2}.", "questions": ["A?", "B?", "C?"],
+              "name": f"n{i}"} for i in range(25)]
+    (inputs / "big.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    result = cli("ingest", "--batch", inputs / "big.jsonl", "--force")
+    assert result.stdout.split() == [str(i) for i in range(1, 26)]
+    assert result.stderr.strip() == ("queued 25 jobs (75 questions) about 13 documents (13 new); "
+                                     "their ids are on stdout, one a line (--json: each job's "
+                                     "details)")
+    detailed = cli("ingest", "--batch", inputs / "big.jsonl", "--force", "--json")
+    assert len(json.loads(detailed.stdout)) == 25

@@ -21,6 +21,9 @@ from ppqa.templates import list_templates
 
 app = typer.Typer()
 
+# A batch of more jobs than this is told in one line on stderr, not a line a job.
+INGEST_LINES = 20
+
 EXAMPLES = """
 
 Examples:
@@ -160,6 +163,14 @@ def ingest(
     else:
         for r in results:
             print(r.job_id)
+    if len(results) > INGEST_LINES:
+        questions = sum(r.question_count for r in results)
+        documents = len({r.document_id for r in results})
+        new = sum(r.document_is_new for r in results)
+        say(f"queued {len(results):,} jobs ({questions:,} questions) about {documents:,} "
+            f"documents ({new:,} new); their ids are on stdout, one a line (--json: each "
+            "job's details)")
+        return
     for r in results:
         stored = "new" if r.document_is_new else "already stored"
         plural = "s" if r.question_count != 1 else ""
