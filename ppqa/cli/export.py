@@ -35,7 +35,7 @@ def export(
 ) -> None:
     from ppqa.files.export import (OPENAI_BATCH_FORMAT, check_destination, export_format,
                                    write_export)
-    from ppqa.store.export import export_rows
+    from ppqa.store.export import open_export
 
     if job and all_jobs:
         raise InputError("give --job or --all, not both")
@@ -44,16 +44,17 @@ def export(
     if fmt == OPENAI_BATCH_FORMAT:
         _export_openai_batch(ctx, file, job, all_jobs)
         return
-    rows = export_rows(open_store(ctx), job_ids=job or None, include_all=all_jobs)
-    write_export(rows, file, fmt)
-    answered = sum(1 for r in rows if r["answer"] is not None)
-    n_jobs = len({r["job"] for r in rows})
+    # The rows stream from the store into the file: an export's memory stays flat however
+    # many answers it holds.
+    with open_export(open_store(ctx), job_ids=job or None, include_all=all_jobs) as rows:
+        write_export(rows, file, fmt, rows.columns)
     where = "stdout" if file == "-" else file
-    if not rows:
+    if not rows.count:
         say(f"nothing to export (no {'jobs' if all_jobs or job else 'finished jobs'}); "
             f"wrote an empty {fmt} to {where}")
     else:
-        say(f"wrote {len(rows)} rows ({answered} answered) of {n_jobs} job"
+        n_jobs = len(rows.jobs)
+        say(f"wrote {rows.count} rows ({rows.answered} answered) of {n_jobs} job"
             f"{'s' if n_jobs != 1 else ''} to {where} as {fmt}")
 
 

@@ -25,6 +25,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from collections.abc import Iterable
 from typing import IO
 
 from ppqa.store.errors import InputError, OutputError
@@ -85,16 +86,28 @@ def csv_cell(value) -> object:
     return value
 
 
-def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
+def csv_columns(rows: list[dict]) -> tuple[str, ...]:
+    """The columns a CSV of `rows` needs (store/export.py's `_columns` gives the same from the
+    store before the rows are read)."""
+    columns = EXPORT_COLUMNS
+    if any("choice_scores" in row for row in rows):
+        columns += CHOICE_COLUMNS
+    if any(SAMPLE_COLUMN in row for row in rows):
+        columns += (SAMPLE_COLUMN,)
+    if any(VOTE_COLUMNS[0] in row for row in rows):
+        columns += VOTE_COLUMNS
+    return columns
+
+
+def _write(rows: Iterable[dict], fmt: str, stream: IO[str],
+           columns: tuple[str, ...] | None = None) -> None:
+    """Rows as they come (a CSV without `columns` reads them all first to find its columns);
+    the JSON array is written a row at a time, as json.dump with indent=2 would write it."""
     if fmt == "csv":
         writer = csv.writer(stream)  # RFC 4180: CRLF line ends, quotes where needed
-        columns = EXPORT_COLUMNS
-        if any("choice_scores" in row for row in rows):
-            columns += CHOICE_COLUMNS
-        if any(SAMPLE_COLUMN in row for row in rows):
-            columns += (SAMPLE_COLUMN,)
-        if any(VOTE_COLUMNS[0] in row for row in rows):
-            columns += VOTE_COLUMNS
+        if columns is None:
+            rows = list(rows)
+            columns = csv_columns(rows)
         optional = (*CHOICE_COLUMNS, SAMPLE_COLUMN, *VOTE_COLUMNS)
         writer.writerow(columns)
         for row in rows:
@@ -105,8 +118,12 @@ def _write(rows: list[dict], fmt: str, stream: IO[str]) -> None:
         for row in rows:
             stream.write(json.dumps(_parsed(row), ensure_ascii=False) + "\n")
     else:
-        json.dump([_parsed(row) for row in rows], stream, ensure_ascii=False, indent=2)
-        stream.write("\n")
+        opening = "[\n  "
+        for row in rows:
+            stream.write(opening + json.dumps(_parsed(row), ensure_ascii=False, indent=2)
+                         .replace("\n", "\n  "))
+            opening = ",\n  "
+        stream.write("[]\n" if opening.startswith("[") else "\n]\n")
 
 
 def _parsed(row: dict) -> dict:
@@ -133,14 +150,16 @@ def _encoding(fmt: str) -> str:
 _STDOUT_NAMES = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
 
 
-def write_export(rows: list[dict], dest: str, fmt: str) -> None:
-    """Write `rows` to `dest` (`-`: stdout) in `fmt`, atomically or through (module doc);
+def write_export(rows: Iterable[dict], dest: str, fmt: str,
+                 columns: tuple[str, ...] | None = None) -> None:
+    """Write `rows` to `dest` (`-`: stdout) in `fmt`, atomically or through (module doc), as
+    they come; `columns`: a CSV's, known before its rows (else found from them all).
     OutputError with one line when it cannot be written."""
     if dest in _STDOUT_NAMES:  # our own stdout, not a reopening (which has its own offset)
         dest = "-"
     if dest == "-":
         try:
-            _write(rows, fmt, sys.stdout)
+            _write(rows, fmt, sys.stdout, columns)
             sys.stdout.flush()
         except BrokenPipeError:
             # Whatever is still buffered cannot go anywhere; keep the interpreter's final
@@ -154,19 +173,20 @@ def write_export(rows: list[dict], dest: str, fmt: str) -> None:
         if through:
             # Appending: a path that reopens a redirected stream must not truncate it.
             with open(dest, "a", encoding=_encoding(fmt), newline="") as stream:
-                _write(rows, fmt, stream)
+                _write(rows, fmt, stream, columns)
         else:
-            _replace(rows, Path(dest).resolve(), fmt)
+            _replace(rows, Path(dest).resolve(), fmt, columns)
     except OSError as exc:
         kept = " (the file there is unchanged)" if not through and Path(dest).exists() else ""
         raise OutputError(f"{dest}: cannot write it ({exc.strerror or exc}){kept}") from None
 
 
-def _replace(rows: list[dict], path: Path, fmt: str) -> None:
+def _replace(rows: Iterable[dict], path: Path, fmt: str, columns: tuple[str, ...] | None
+             ) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding=_encoding(fmt), newline="") as stream:
-            _write(rows, fmt, stream)
+            _write(rows, fmt, stream, columns)
             stream.flush()
             os.fsync(stream.fileno())
         if path.exists():  # a file replaced keeps its permissions
