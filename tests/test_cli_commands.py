@@ -264,3 +264,31 @@ def test_a_large_batch_is_told_in_one_line(cli, inputs):
                                      "details)")
     detailed = cli("ingest", "--batch", inputs / "big.jsonl", "--force", "--json")
     assert len(json.loads(detailed.stdout)) == 25
+
+
+def test_report_lists_the_latest_runs_and_says_how_many_there_are(cli):
+    """Past 50 runs the report table lists the latest 50, oldest first, and says how many
+    there are; --all and --json list every run."""
+    from ppqa.files.inputs import QuestionInput
+    from ppqa.store.jobs import IngestRequest, ingest
+
+    db = open_db(cli.db)
+    ingest(db, [IngestRequest(f"Document number {i}.", f"doc{i}",
+                              [QuestionInput("1", "Which?", "t:1")]) for i in range(55)])
+    for _ in range(55):
+        claim = queue.claim_jobs(db, "w1", 600)[0]
+        queue.record_answer(db, claim.questions[0].id, "This one.", 3, "stop", worker_id="w1")
+        queue.finish_job(db, claim.job_id, "w1", REPORT)
+    db.close()
+
+    def listed(result):
+        return [int(line.split()[0]) for line in result.stdout.splitlines()
+                if line.split()[:1] and line.split()[0].isdigit()]
+
+    shown = cli("report")
+    assert listed(shown) == list(range(6, 56))
+    assert "the latest 50 of 55 runs; --all lists every one" in shown.stderr
+    every = cli("report", "--all")
+    assert listed(every) == list(range(1, 56)) and every.stderr == ""
+    assert len(json.loads(cli("report", "--json").stdout)) == 55
+    assert listed(cli("report", "--job", "7")) == [7]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from ppqa.store.db import Database
 from ppqa.store.timefmt import iso
@@ -71,11 +71,24 @@ REPORT_COLUMNS = ("id", "job_id", "worker", "device", "model", "mode", "streams"
                   "peak_memory_bytes", "created_at")
 
 
-def list_reports(db: Database, job_id: int | None = None) -> list[dict]:
-    """Report rows as JSON-ready dicts, oldest first (all jobs, or one)."""
-    stmt = select(*[getattr(Report, c) for c in REPORT_COLUMNS]).order_by(Report.id)
+def list_reports(db: Database, job_id: int | None = None, last: int | None = None
+                 ) -> list[dict]:
+    """Report rows as JSON-ready dicts, oldest first (all jobs, or one); `last`: only the
+    latest that many."""
+    stmt = select(*[getattr(Report, c) for c in REPORT_COLUMNS]).order_by(Report.id.desc())
+    if job_id is not None:
+        stmt = stmt.where(Report.job_id == job_id)
+    if last is not None:
+        stmt = stmt.limit(last)
+    with db.read() as conn:
+        rows = conn.execute(stmt).mappings().all()
+    return [{**row, "created_at": iso(row["created_at"])} for row in reversed(rows)]
+
+
+def count_reports(db: Database, job_id: int | None = None) -> int:
+    """How many reports the store holds (of one job)."""
+    stmt = select(func.count(Report.id))
     if job_id is not None:
         stmt = stmt.where(Report.job_id == job_id)
     with db.read() as conn:
-        rows = conn.execute(stmt).mappings().all()
-    return [{**row, "created_at": iso(row["created_at"])} for row in rows]
+        return int(conn.execute(stmt).scalar_one())
