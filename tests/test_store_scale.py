@@ -13,6 +13,7 @@ from sqlalchemy import event, select, update
 from ppqa.store import lookups, queue
 from ppqa.store.jobs import cancel_job, retry_job
 from ppqa.store.models import QUEUED, RUNNING, Answer, Job, Question
+from ppqa.store.views import queue_status
 
 REPORT = dict(device="cpu", model="tiny", mode="stock", wall_seconds=1.0, questions=1,
               prompt_tokens=10, answer_tokens=3)
@@ -216,4 +217,48 @@ def test_a_top_job_of_a_document_another_worker_holds_is_claimed_before_lower_on
             cancel_job(sqlite_db, later)
 
         steps.append(vm_steps(sqlite_db, claim))
+    assert steps[0] > 0 and steps[1] < 1.5 * steps[0], steps
+
+
+def test_the_status_view_counts_answered_questions_as_one_by_one(any_db, add_job):
+    """`ppqa status` reads answered questions from the jobs' rows (a done job is all answered,
+    a job never claimed has none, the others counted question by question): per document
+    and in all, the same as counting every question's answers against its samples."""
+    ids = varied_queue(any_db, add_job)
+    queue.claim_jobs(any_db, "w3", 600)  # one more claimed, nothing answered yet
+    add_job(any_db, "Doc one.", ("E?",), name="one")  # a document of two jobs
+    with any_db.read() as conn:
+        samples = dict(conn.execute(select(Job.id, Job.samples)).all())
+        document = dict(conn.execute(select(Job.id, Job.document_id)).all())
+        have: dict[int, int] = {}
+        for (qid,) in conn.execute(select(Answer.question_id)):
+            have[qid] = have.get(qid, 0) + 1
+        questions = conn.execute(select(Question.id, Question.job_id)).all()
+    expected: dict[int, int] = {}
+    for qid, job_id in questions:
+        expected.setdefault(document[job_id], 0)
+        expected[document[job_id]] += have.get(qid, 0) >= samples[job_id]
+    status = queue_status(any_db)
+    assert {d["document"]: d["answered"] for d in status["documents"]} == expected
+    assert status["totals"]["answered"] == sum(expected.values()) > 0
+    assert expected[document[ids["done"]]] == 1 and expected[document[ids["untouched"]]] == 0
+
+
+def test_the_status_view_reads_the_jobs_not_their_questions(tmp_path, add_job):
+    """40 done jobs of 30 questions each cost `queue_status` as many SQLite instructions as 40
+    of one question: a done job's answered questions are its question count."""
+    from ppqa.store.db import open_db
+
+    steps = []
+    for questions in (1, 30):
+        db = open_db(str(tmp_path / f"{questions}.db"))
+        queue_documents(db, add_job, 40, questions=questions)
+        while claims := queue.claim_jobs(db, "w1", 600, max_jobs=64):
+            for claim in claims:
+                queue.record_answers(db, [(q.id, "x", 1, "stop", 0.1) for q in claim.questions],
+                                     worker_id="w1")
+                queue.finish_job(db, claim.job_id, "w1", REPORT)
+        assert queue_status(db)["totals"]["answered"] == 40 * questions
+        steps.append(vm_steps(db, lambda: queue_status(db)))
+        db.close()
     assert steps[0] > 0 and steps[1] < 1.5 * steps[0], steps
