@@ -5,7 +5,8 @@ marks host code (a `record_function` range) whose launches count for `name`. `su
 joins each GPU activity (kernel, copy, set) to the runtime call that launched it (kineto's
 correlation id; a CUDA graph's kernels to its `cudaGraphLaunch`) and that call to the innermost
 phase around it, and adds up:
-- per phase: GPU seconds by kernel kind (`KINDS`) and the top kernels by name;
+- per phase: GPU seconds by kernel kind (`KINDS`) and the top kernels by name (each with
+  its launches, those through a CUDA graph, and the streams it ran on);
 - the union of GPU busy intervals against the block's wall time (the GPU idle share is host
   time the device waited for: launches, synchronisations, Python between steps);
 - the GPU's idle time by what the host was doing meanwhile: each idle stretch is charged to
@@ -185,7 +186,9 @@ class Profile:
 
         events = self._prof.profiler.kineto_results.events()
         ranges: list[tuple[int, int, str]] = []  # phase ranges on the host
-        launches: dict[int, int] = {}  # correlation id -> the launching call's start, ns
+        # correlation id -> the launching call's start (ns) and name (cudaLaunchKernel,
+        # cudaGraphLaunch, ...)
+        launches: dict[int, tuple[int, str]] = {}
         device: list = []
         host_ops: list[tuple[int, int, str]] = []  # every other host event: ops, runtime calls
         for e in events:
@@ -195,7 +198,7 @@ class Profile:
                     ranges.append((e.start_ns(), e.end_ns(), name[len(PHASE_PREFIX):]))
                     continue
                 if e.correlation_id():
-                    launches[e.correlation_id()] = e.start_ns()
+                    launches[e.correlation_id()] = (e.start_ns(), name)
                 host_ops.append((e.start_ns(), e.end_ns(), name))
             elif e.device_type() == DeviceType.CUDA and not e.name().startswith(PHASE_PREFIX):
                 device.append(e)  # (kineto mirrors each phase range onto the GPU's timeline)
@@ -217,16 +220,22 @@ class Profile:
             return "other"
 
         by_phase: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        names: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+        # per phase and kernel name: [seconds, launches, launches through a CUDA graph,
+        # {stream id: launches}]
+        names: dict[str, dict[str, list]] = defaultdict(
+            lambda: defaultdict(lambda: [0.0, 0, 0, defaultdict(int)]))
         intervals = []
         for e in device:
             us = e.duration_ns() / 1e3
             intervals.append((e.start_ns() / 1e3, e.end_ns() / 1e3))
-            ph = phase_at(launches.get(e.correlation_id()))
+            launched_at, via = launches.get(e.correlation_id(), (None, ""))
+            ph = phase_at(launched_at)
             by_phase[ph][kind_of(e.name())] += us / 1e6
             slot = names[ph][e.name()[:90]]
             slot[0] += us / 1e6
             slot[1] += 1
+            slot[2] += "graphlaunch" in via.lower()
+            slot[3][e.device_resource_id() if hasattr(e, "device_resource_id") else -1] += 1
         busy = _merged(intervals)
         busy_s = sum(b - a for a, b in busy) / 1e6
         # The idle stretches between the first and the last device activity (the block's ends
@@ -246,7 +255,9 @@ class Profile:
             "gpu_idle_s_by_host_path": {p: round(v, 4) for p, v in idle.items()},
             "gpu_idle_gaps": gap_histogram(gaps),
             "long_idle_gaps": long_gaps(gaps, busy, ranges, host_ops),
-            "top_kernels": {p: sorted(([n, round(s, 4), c] for n, (s, c) in v.items()),
+            # [name, seconds, launches, of them through a CUDA graph, {stream: launches}]
+            "top_kernels": {p: sorted(([n, round(s, 4), c, g, dict(streams)]
+                                       for n, (s, c, g, streams) in v.items()),
                                       key=lambda r: -r[1])[:top]
                             for p, v in names.items()},
         }
