@@ -10,7 +10,7 @@ from sqlalchemy import func, or_, select
 
 from ppqa.store.db import Database
 from ppqa.store.models import QUEUED, RUNNING, Answer, Job, Question
-from ppqa.store.queue import claimable
+from ppqa.store.claim_order import claimable
 
 
 # Job ids bound in one IN list (SQLite and PostgreSQL take well over this many parameters).
