@@ -262,3 +262,23 @@ def test_the_status_view_reads_the_jobs_not_their_questions(tmp_path, add_job):
         steps.append(vm_steps(db, lambda: queue_status(db)))
         db.close()
     assert steps[0] > 0 and steps[1] < 1.5 * steps[0], steps
+
+
+def test_a_claim_of_one_model_reads_past_no_queued_job_of_another(sqlite_db, add_job):
+    """Older queued jobs of another model do not lengthen a claim of a worker of one model:
+    it reads its model's jobs and those of no model as ranges of the index by model, the same
+    SQLite instructions behind 400 jobs of model m2 as behind 40."""
+    steps = []
+    for start, count in ((0, 40), (40, 360)):
+        for i in range(start, start + count):
+            add_job(sqlite_db, f"For m2, {i}.", ("Q?",), name=f"m2-{i}", model="m2")
+        mine = add_job(sqlite_db, f"For m1, {start}.", ("Q?",), name=f"m1-{start}", model="m1")
+
+        def claim():
+            claims = queue.claim_jobs(sqlite_db, "w1", 600, model="m1")
+            assert [c.job_id for c in claims] == [mine]
+            queue.release_jobs(sqlite_db, "w1", [mine])
+            cancel_job(sqlite_db, mine)
+
+        steps.append(vm_steps(sqlite_db, claim))
+    assert steps[0] > 0 and steps[1] < 1.5 * steps[0], steps

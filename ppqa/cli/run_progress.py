@@ -32,7 +32,7 @@ from ppqa.worker.report import JobOutcome, ProgressSink, WorkerSummary
 
 
 # How often the progress total re-reads the answers waiting in the queue, a sum over the queued
-# jobs (9-14 ms at 20,000 of them: benchmarks/results/cpu/store_scale_{sqlite,pg}.json) that
+# jobs (8-12 ms at 20,000 of them: benchmarks/results/cpu/store_scale_{sqlite,pg}.json) that
 # the worker runs between two engine steps; in between, its claims come off the last read.
 WAITING_READ_SECONDS = 2.0
 

@@ -217,6 +217,16 @@ def _m0009_samples(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE answers_new RENAME TO answers"))
 
 
+def _m0010_claim_by_model(conn: Connection) -> None:
+    """An index of the claim order by model: a worker of one model reads its queued jobs (and
+    those of no model) as index ranges, not past every queued job of other models."""
+    md = MetaData(naming_convention=NAMING_CONVENTION)
+    jobs = Table("jobs", md, Column("status", String(16)), Column("model", String(200)),
+                 Column("priority", Integer), Column("created_at", DateTime))
+    Index("ix_jobs_claim_model", jobs.c.status, jobs.c.model, jobs.c.priority,
+          jobs.c.created_at).create(conn)
+
+
 def _json_value(raw) -> dict:
     import json
 
@@ -234,6 +244,7 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("0007_template_source", _m0007_template_source),
     ("0008_choices", _m0008_choices),
     ("0009_samples", _m0009_samples),
+    ("0010_claim_by_model", _m0010_claim_by_model),
 ]
 
 

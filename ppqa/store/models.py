@@ -80,7 +80,10 @@ class Job(Base):
     # the claim's "is anything left to answer" test runs in SQL.
     samples: Mapped[int] = mapped_column(Integer, server_default="1")
 
-    __table_args__ = (Index("ix_jobs_claim_order", "status", "priority", "created_at"),)
+    # The claim's index ranges (store/claim_order.py): by priority and age, and for a worker
+    # of one model, by model first (added by migration 0010).
+    __table_args__ = (Index("ix_jobs_claim_order", "status", "priority", "created_at"),
+                      Index("ix_jobs_claim_model", "status", "model", "priority", "created_at"))
 
 
 class Question(Base):

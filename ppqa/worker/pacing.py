@@ -27,7 +27,7 @@ from ppqa.worker.options import WorkerOptions
 # engine loop's thread between two steps, stays at `poll_seconds`.
 ARRIVAL_PROBE_SECONDS = 0.2
 # How often a worker among peers re-reads the questions left to share: a sum over the queue's
-# jobs (9-14 ms at 20,000 of them: benchmarks/results/cpu/store_scale_{sqlite,pg}.json), run on
+# jobs (8-12 ms at 20,000 of them: benchmarks/results/cpu/store_scale_{sqlite,pg}.json), run on
 # the engine loop's thread between two steps; a share moves slowly.
 SHARE_READ_SECONDS = 2.0
 
