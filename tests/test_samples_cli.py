@@ -135,7 +135,7 @@ def test_answers_of_a_store_from_before_samples_become_sample_zero(tmp_path):
         conn.execute(text("INSERT INTO answers (id, question_id, text, token_count, "
                           "finish_reason, created_at) VALUES (1, 1, 'A.', 2, 'stop', "
                           "'2026-01-01')"))
-    assert migrate(db) == ["0009_samples"]
+    assert migrate(db, upto="0009_samples") == ["0009_samples"]
     with db.read() as conn:
         assert conn.execute(text("SELECT question_id, sample, text FROM answers")).all() == [
             (1, 0, "A.")]
