@@ -6,6 +6,8 @@ for new jobs between its full claims)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from sqlalchemy import func, or_, select
 
 from ppqa.store.db import Database
@@ -15,6 +17,12 @@ from ppqa.store.claim_order import claimable
 
 # Job ids bound in one IN list (SQLite and PostgreSQL take well over this many parameters).
 ID_CHUNK = 5000
+
+
+def id_chunks(ids: list[int]) -> Iterator[list[int]]:
+    """`ids` in lists of at most ID_CHUNK, one IN list each."""
+    for at in range(0, len(ids), ID_CHUNK):
+        yield ids[at:at + ID_CHUNK]
 
 
 def waiting_questions(db: Database, model: str | None = None,
@@ -41,11 +49,11 @@ def waiting_questions(db: Database, model: str | None = None,
         # where its statistics still describe an empty table (a store just filled).
         started = list(conn.execute(select(Job.id).where(
             *which, Job.started_at.is_not(None))).scalars())
-        for at in range(0, len(started), ID_CHUNK):
+        for chunk in id_chunks(started):
             left -= int(conn.execute(
                 select(func.count(Answer.id)).select_from(Question)
                 .join(Answer, Answer.question_id == Question.id)
-                .where(Question.job_id.in_(started[at:at + ID_CHUNK]))).scalar_one())
+                .where(Question.job_id.in_(chunk))).scalar_one())
     return left
 
 

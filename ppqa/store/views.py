@@ -7,6 +7,7 @@ UTC strings ("2026-11-29T12:00:00Z").
 
 from __future__ import annotations
 
+from collections import Counter
 
 from sqlalchemy import func, select
 
@@ -16,7 +17,7 @@ from ppqa.store.timefmt import iso
 from ppqa.store.errors import StoreError
 from ppqa.store.export import add_votes
 from ppqa.store.jobs import answered_counts
-from ppqa.store.lookups import ID_CHUNK
+from ppqa.store.lookups import id_chunks
 from ppqa.store.models import DONE, JOB_STATUSES, Answer, Document, Job, Question
 
 
@@ -37,13 +38,10 @@ def queue_status(db: Database) -> dict:
             .order_by(Job.document_id)).all()
         started = dict(conn.execute(select(Job.id, Job.document_id).where(
             Job.status != DONE, Job.started_at.is_not(None))).all())
-        per_job: dict[int, int] = {}
-        ids = list(started)
-        for at in range(0, len(ids), ID_CHUNK):
-            per_job.update(answered_counts(conn, ids[at:at + ID_CHUNK]))
-    per_answered: dict[int, int] = {}
-    for job_id, n in per_job.items():
-        per_answered[started[job_id]] = per_answered.get(started[job_id], 0) + n
+        per_answered: Counter = Counter()
+        for chunk in id_chunks(list(started)):
+            for job_id, n in answered_counts(conn, chunk).items():
+                per_answered[started[job_id]] += n
     documents: dict[int, dict] = {}
     totals = {"jobs": dict.fromkeys(JOB_STATUSES, 0), "questions": 0, "answered": 0}
     for doc_id, name, status, n_jobs, n_questions in rows:
