@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 # Kernel kinds by a substring of the kernel's name, first match wins (lower case).
 KINDS = (
@@ -224,6 +224,9 @@ class Profile:
         # {stream id: launches}]
         names: dict[str, dict[str, list]] = defaultdict(
             lambda: defaultdict(lambda: [0.0, 0, 0, defaultdict(int)]))
+        # per phase: the host call each kernel's correlation id leads to (how a phase's kernels
+        # were launched: eagerly, through a graph, or matched to nothing)
+        launched_by: dict[str, Counter] = defaultdict(Counter)
         intervals = []
         for e in device:
             us = e.duration_ns() / 1e3
@@ -235,6 +238,7 @@ class Profile:
             slot[0] += us / 1e6
             slot[1] += 1
             slot[2] += "graphlaunch" in via.lower()
+            launched_by[ph][via or "unmatched"] += 1
             slot[3][e.device_resource_id() if hasattr(e, "device_resource_id") else -1] += 1
         busy = _merged(intervals)
         busy_s = sum(b - a for a, b in busy) / 1e6
@@ -253,6 +257,7 @@ class Profile:
                                         for p, k in by_phase.items()},
             "gpu_s_by_phase": {p: sum(k.values()) for p, k in by_phase.items()},
             "gpu_idle_s_by_host_path": {p: round(v, 4) for p, v in idle.items()},
+            "kernels_launched_by": {p: dict(c.most_common(8)) for p, c in launched_by.items()},
             "gpu_idle_gaps": gap_histogram(gaps),
             "long_idle_gaps": long_gaps(gaps, busy, ranges, host_ops),
             # [name, seconds, launches, of them through a CUDA graph, {stream: launches}]

@@ -91,8 +91,12 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
 
     key_use: Counter = Counter()
 
+    replays_by_phase: Counter = Counter()  # graph replays by the session phase they ran in
+
     def graph_result(call_args, out):
         graph_use["replayed" if out is not None else "eager"] += 1
+        if out is not None:
+            replays_by_phase[phase.get("now", "other")] += 1
         key_use[repr(call_args[0].key(call_args[2]))] += 1
 
     restore = wrap(GraphCache, "run", tally, "graph_run", graph_result)
@@ -158,7 +162,8 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         "questions": sum(len(j.questions) for j in jobs.jobs), "documents": len(jobs.documents),
         "wall_s": wall, "iterations": iterations, **extra,
         "phase_s": dict(tally.seconds), "phase_calls": dict(tally.calls),
-        "graph_use": dict(graph_use), "decode_steps_by_batch": dict(batch_sizes),
+        "graph_use": dict(graph_use), "graph_replays_by_phase": dict(replays_by_phase),
+        "decode_steps_by_batch": dict(batch_sizes),
         "compiles": compiles["count"] - compiled_before[0],
         "compile_s": compiles["seconds"] - compiled_before[1],
         "stats": {k: v for k, v in vars(stats).items()},
