@@ -167,6 +167,13 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     labeling) e2e labeling 150 --max-docs 50 ;;
     labeling2) e2e labeling 200 --max-docs 50 --passes 2 ;;  # one pass varies by +-0.3 s of ~8
     arrivals) e2e arrivals 200 --max-docs 50 --arrival-seconds 30 ;;
+    arrivalsab)  # arrivals6, auto only, alternating an earlier tree (a `git archive` of its
+      # ppqa/ carried as .base/ppqa: BASE_TAG names it) with this one, ABPASSES pairs
+      for i in $(seq 1 "${ABPASSES:-2}"); do
+        (cd .base && TAG=arrivals6_base$i e2e arrivals 60 --max-docs 50 --arrival-seconds 6 \
+          --modes auto)
+        TAG=arrivals6_new$i e2e arrivals 60 --max-docs 50 --arrival-seconds 6 --modes auto
+      done ;;
     arrivals6)  # the same jobs arriving faster than one worker answers them (labeling's run
       # takes ~8 s): its throughput against labeling's up-front run, issue 18's 10% target
       TAG=arrivals6 e2e arrivals 150 --max-docs 50 --arrival-seconds 6 ;;
