@@ -167,8 +167,9 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     labeling) e2e labeling 150 --max-docs 50 ;;
     labeling2) e2e labeling 200 --max-docs 50 --passes 2 ;;  # one pass varies by +-0.3 s of ~8
     arrivals) e2e arrivals 200 --max-docs 50 --arrival-seconds 30 ;;
-    arrivalsab)  # arrivals6, auto only, alternating an earlier tree (a `git archive` of its
-      # ppqa/ carried as .base/ppqa: BASE_TAG names it) with this one, ABPASSES pairs
+    arrivalsab)  # arrivals6, auto only, alternating an earlier tree with this one, ABPASSES
+      # pairs: here `git archive REF ppqa | tar -x -C .base` (.base ignored through
+      # .git/info/exclude) and `.base` carried; python -m ppqa run in .base imports that copy
       for i in $(seq 1 "${ABPASSES:-2}"); do
         (cd .base && TAG=arrivals6_base$i e2e arrivals 60 --max-docs 50 --arrival-seconds 6 \
           --modes auto)
