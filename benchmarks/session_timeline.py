@@ -96,7 +96,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
     def graph_result(call_args, out):
         graph_use["replayed" if out is not None else "eager"] += 1
         if out is not None:
-            replays_by_phase[phase.get("now", "other")] += 1
+            replays_by_phase[phase["now"]] += 1
         key_use[repr(call_args[0].key(call_args[2]))] += 1
 
     restore = wrap(GraphCache, "run", tally, "graph_run", graph_result)
