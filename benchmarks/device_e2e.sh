@@ -175,6 +175,21 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
           --modes auto)
         TAG=arrivals6_new$i e2e arrivals 60 --max-docs 50 --arrival-seconds 6 --modes auto
       done ;;
+    ab)  # auto alone on ABWORK's workloads ("W:DOCS ...", default quality:20 labeling:50),
+      # alternating the earlier tree in .base (made as for arrivalsab) with this one, ABPASSES
+      # pairs, each pair in the other order than the last
+      for i in $(seq 1 "${ABPASSES:-2}"); do
+        for spec in ${ABWORK:-quality:20 labeling:50}; do
+          IFS=: read -r w n <<< "$spec"
+          if [ $((i % 2)) = 1 ]; then
+            (cd .base && TAG=${w}_base$i e2e "$w" 80 --max-docs "$n" --modes auto)
+            TAG=${w}_new$i e2e "$w" 80 --max-docs "$n" --modes auto
+          else
+            TAG=${w}_new$i e2e "$w" 80 --max-docs "$n" --modes auto
+            (cd .base && TAG=${w}_base$i e2e "$w" 80 --max-docs "$n" --modes auto)
+          fi
+        done
+      done ;;
     arrivals6)  # the same jobs arriving faster than one worker answers them (labeling's run
       # takes ~8 s): its throughput against labeling's up-front run, issue 18's 10% target
       TAG=arrivals6 e2e arrivals 150 --max-docs 50 --arrival-seconds 6 ;;

@@ -192,3 +192,62 @@ def test_an_idle_sessions_background_submits_start_together_at_the_first_step(
     _drain(session)
     session.close()
     assert {k[0] for k in log[0]} == {"d0", "d1", "d2", "d3"}  # one batch from the first step
+
+
+@pytest.mark.parametrize("mode", ["stock", "cascade", "parallel"])
+def test_prefill_ahead_launches_documents_only_and_changes_no_answer(
+        tmp_path: Path, mode: str) -> None:
+    """`prefill_ahead` between an idle session's background submits (a worker's first
+    claims) prefills each document as it comes, in chunks, and neither a question nor a
+    decode step runs before `step`. Every answer is the token ids of the same submits without
+    it (fp32), and the first decode step holds every question still open: each call admits
+    up to the prefill budget, where one first step admits that much in all and the rest join
+    later beside decode. Two engines, so that neither finds the other's documents cached."""
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(16)
+    docs = [_requests(rng, text(rng, n), 3, tmpl, f"d{i}") for i, n in enumerate((700, 40, 1100))]
+
+    def run(ahead: bool):
+        engine = Engine("dummy:tiny-gqa+bpe", device="cpu",
+                        config=EngineConfig(seed=5, max_prefill_tokens=64))
+        answers: dict = {}
+        session = engine.session(on_answer=lambda r, a: answers.__setitem__(r.key, a.token_ids))
+        log = _step_log(session)
+        launched = []
+        for batch in docs:
+            session.submit(batch, mode=mode, background=True)
+            if ahead:
+                launched.append(session.prefill_ahead())
+                sched = session.sched
+                # this submit's document is prefilled whole; no question has started
+                assert not sched.pending_documents() and not sched.running
+                assert not session._intake.pending and not log
+        _drain(session)
+        assert session.prefill_ahead() is False  # nothing left to prefill
+        session.close()
+        return answers, log, launched
+
+    plain, plain_log, _ = run(False)
+    ahead, ahead_log, launched = run(True)
+    assert launched == [True, True, True]
+    assert ahead == plain and len(plain) == 9
+    open_after_prefill = {key for key, ids in plain.items() if len(ids) > 1}
+    assert open_after_prefill <= ahead_log[0]
+    assert plain_log[0] < ahead_log[0]  # the budget held the plain first step's admission
+
+
+def test_prefill_ahead_waits_while_questions_decode(bpe_engine, tmp_path: Path) -> None:
+    """Once questions decode, `prefill_ahead` does nothing: a document joins by `step`'s
+    bounded prefill beside the decode, as any later submit does."""
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(17)
+    session = bpe_engine.session()
+    session.submit(_requests(rng, text(rng, 300), 2, tmpl, "a"), mode="stock")
+    session.step()
+    assert session.sched.running
+    session.submit(_requests(rng, text(rng, 300), 2, tmpl, "b"), mode="stock", background=True)
+    steps = session.stats.steps
+    assert session.prefill_ahead() is False
+    assert session.stats.steps == steps and session._intake.pending
+    _drain(session)
+    session.close()

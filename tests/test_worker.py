@@ -260,6 +260,95 @@ def test_answers_delivered_before_an_engine_failure_are_kept(sqlite_db, add_job)
     assert summary.count("done") == 2
 
 
+def test_an_idle_worker_prefills_each_claimed_document_before_the_next_claim(
+        sqlite_db, add_job, engine, monkeypatch):
+    """An idle worker claims its room a document at a time; between two claims the session
+    prefills the document just claimed (`prefill_ahead`), and no question prefills or decodes
+    until the claims are done: the first decode step holds every document's questions."""
+    from ppqa.store import queue
+    from ppqa.worker import loop
+
+    for i in range(3):
+        add_job(sqlite_db, f"Document {i}. " + DOC, ["Who?", "When?"], name=f"d{i}",
+                max_new_tokens=3)
+    events: list = []
+    claim = queue.claim_jobs
+
+    def logged_claim(*args, **kwargs):
+        claims = claim(*args, **kwargs)
+        events.append(("claim", [c.document_name for c in claims]))
+        return claims
+
+    monkeypatch.setattr(loop.queue, "claim_jobs", logged_claim)
+    make_session = engine.session
+
+    def session(*args, **kwargs):
+        made = make_session(*args, **kwargs)
+        ahead, build = made.prefill_ahead, made.sched.decode_step
+
+        def logged_ahead():
+            launched = ahead()
+            events.append(("ahead", launched, bool(made.sched.pending_documents()),
+                           len(made.sched.running)))
+            return launched
+
+        def logged_step(requests, **kw):
+            events.append(("decode", sorted({s.key.key[0] for r in requests if r.row >= 0
+                                             for s in r.streams})))
+            return build(requests, **kw)
+
+        made.prefill_ahead, made.sched.decode_step = logged_ahead, logged_step
+        return made
+
+    monkeypatch.setattr(engine, "session", session)
+    summary = make_worker(sqlite_db, engine, mode="stock").run()
+    assert summary.count("done") == 3
+    first_decode = next(i for i, e in enumerate(events) if e[0] == "decode")
+    before = events[:first_decode]
+    assert before == [("claim", ["d0"]), ("ahead", True, False, 0),
+                      ("claim", ["d1"]), ("ahead", True, False, 0),
+                      ("claim", ["d2"]), ("ahead", True, False, 0), ("claim", [])]
+    assert len(events[first_decode][1]) == 3  # the three jobs' questions decode together
+
+
+def test_an_engine_failure_while_prefilling_ahead_fails_the_claims_for_a_retry(
+        sqlite_db, add_job):
+    """A document's prefill that fails between an idle worker's claims (out of memory) is an
+    engine failure like a failed step: the jobs in flight fail for a retry, the worker goes
+    on with halved limits, and each question is answered once."""
+    from ppqa.engine.engine import Engine
+
+    class FailingAheadEngine(Engine):
+        def session(self, *args, **kwargs):
+            session = super().session(*args, **kwargs)
+            ahead = session.prefill_ahead
+
+            def ahead_that_fails_once():
+                if not self.failed:
+                    self.failed = True
+                    raise RuntimeError("CUDA out of memory (simulated)")
+                return ahead()
+
+            session.prefill_ahead = ahead_that_fails_once
+            return session
+
+    jobs = [add_job(sqlite_db, f"Document {i}. " + DOC, ["Who?", "When?"], max_new_tokens=3,
+                    seed=i) for i in range(3)]
+    engine = FailingAheadEngine(MODEL, device="cpu")
+    engine.failed = False
+    worker = make_worker(sqlite_db, engine, max_attempts=3)
+    summary = worker.run()
+
+    assert engine.failed
+    states = _jobs(sqlite_db)
+    assert {states[j][0] for j in jobs} == {"done"}
+    assert states[jobs[0]][1] == 2  # the job claimed before the failure ran again
+    assert "out of memory" in summary.last_error
+    with sqlite_db.read() as conn:
+        assert conn.execute(select(func.count(Answer.id))).scalar_one() == 6
+    assert summary.count("queued") > 0  # failed for a retry, not lost
+
+
 def test_one_question_jobs_fill_a_batch_by_default(sqlite_db, add_job, engine, monkeypatch):
     """A job may be a single question (a judge's verdict, one label): with the default
     options a worker takes as many such jobs as a batch has rows, so they decode together

@@ -1,7 +1,8 @@
 """`SessionPrefill`: the prefill half of an engine session's iteration (`EngineSession`,
 engine/session.py, is the class that uses it and owns the state it reads).
 
-    _prefill(bounded) -> document chunks (`Scheduler.document_chunk`), then the questions
+    _prefill(bounded) -> document chunks (`_prefill_documents`: `Scheduler.document_chunk`;
+        also launched alone by `EngineSession.prefill_ahead`), then the questions
         whose documents are ready: width-1 requests of one document in one grouped extend
         (`_question_steps`), parallel requests in a stream-masked extend of their own,
         scoring requests answered whole (`_score`); bounded while others decode: at most one
@@ -32,20 +33,7 @@ class SessionPrefill:
         iteration, after its decode step is queued, with `overlap_steps`; at once without),
         which charges their device time to the streams that waited for them."""
         sched, stats = self.sched, self.stats
-        while True:
-            docs = sched.pending_documents()
-            if not docs:
-                break
-            doc = docs[0]
-            waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
-            inputs = sched.document_chunk(doc)
-            timer = PrefillTimer(self._cuda)
-            self._run(inputs)
-            self._launched_prefill(Prefilled(timer.stop(), [(s, 1.0) for s in waiting]))
-            stats.steps += 1
-            stats.prefilled_tokens += inputs.num_tokens
-            if bounded:
-                break
+        self._prefill_documents(bounded)
         while True:
             ready = sched.questions_ready()
             if not ready:
@@ -62,6 +50,25 @@ class SessionPrefill:
                 break
         if not self.engine.config.overlap_steps:
             self._settle_prefill()
+
+    def _prefill_documents(self, bounded: bool) -> int:
+        """Launch the chunks of the documents that admitted requests wait for (bounded: one
+        chunk); returns how many were launched."""
+        sched, stats = self.sched, self.stats
+        launched = 0
+        while docs := sched.pending_documents():
+            doc = docs[0]
+            waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
+            inputs = sched.document_chunk(doc)
+            timer = PrefillTimer(self._cuda)
+            self._run(inputs)
+            self._launched_prefill(Prefilled(timer.stop(), [(s, 1.0) for s in waiting]))
+            stats.steps += 1
+            stats.prefilled_tokens += inputs.num_tokens
+            launched += 1
+            if bounded:
+                break
+        return launched
 
     def _launched_prefill(self, work: Prefilled) -> None:
         work.iteration = self._iteration

@@ -8,6 +8,8 @@
         With background=True (the worker's claims) the prompts are rendered at once and
         tokenized on a thread while steps run; the step after `tokenize_ahead_iterations`
         more takes them from there.
+    prefill_ahead() -> while nothing decodes: admit what was submitted and launch its
+              documents' prefill (a worker's first claims), questions and decode left to step
     step() -> schedule: admit what fits; prefill a document chunk and ready questions (bounded
               while others decode, so they keep producing tokens; launched, and read at the
               end of the next iteration, after its decode step is queued:
@@ -179,6 +181,26 @@ class EngineSession(SessionPrefill):
         self._prefill(bounded=bool(sched.running))
         self._decode()
         return True
+
+    def prefill_ahead(self) -> bool:
+        """While nothing decodes: queue every submit (waiting for its tokens), admit what
+        fits and launch the admitted documents' prefill, without waiting for the device. A
+        worker calls it between the claims it makes while idle, so the GPU prefills the first
+        documents while the host claims and tokenizes the next. Questions and decoding wait
+        for `step`, whose first decode step holds every question admitted by then. Each call
+        admits up to the prefill budget, where one first `step` admits that much in all and
+        the rest join later beside decode. Returns whether a document chunk was launched."""
+        sched = self.sched
+        if sched.running or self._in_flight is not None:
+            return False
+        if self._intake.pending:
+            self._intake.collect(self._iteration, wait_all=True)
+        if sched.should_admit():
+            sched.admit()
+        launched = self._prefill_documents(bounded=False)
+        if not self.engine.config.overlap_steps:
+            self._settle_prefill()
+        return launched > 0
 
     def drain(self, should_stop: Callable[[], bool] | None = None) -> None:
         """Step until every submitted question is answered (or `should_stop()` turns true)."""

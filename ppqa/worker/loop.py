@@ -4,7 +4,9 @@ The loop, between engine steps (the step in flight runs on the GPU meanwhile):
   - claim when the session has room (jobs and questions in flight below the limits, a short
     backlog of requests waiting for KV): `claim_jobs` is a short write transaction that leases
     every claimable job of one document (one document per iteration while work is in flight,
-    so that the claim and its tokenization fit beside the step in flight); each job's
+    so that the claim and its tokenization fit beside the step in flight; an idle worker
+    claims all its room at once, the session prefilling each document while the next is
+    claimed, `EngineSession.prefill_ahead`); each job's
     unanswered questions go to the session (`EngineSession.submit`) with the job's mode, and
     its lease to the `LeaseKeeper`;
   - step the session once: admission, chunked prefill, one decode step per kind of request;
@@ -80,6 +82,7 @@ class Worker:
         self._session = None
         self._leases: LeaseKeeper | None = None
         self._pacer = ClaimPacer(db, options, self._stop)
+        self._crashes = 0  # engine failures since a job last finished well
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Stop admitting work; safe from a signal handler or another thread."""
@@ -96,7 +99,6 @@ class Worker:
     def run(self) -> WorkerSummary:
         """Drain the queue (or, with `follow`, keep serving it) until stopped; see module doc."""
         started = time.perf_counter()
-        crashes = 0
         self.progress.started(self.options)
         self._leases = LeaseKeeper(self.db, self.options.worker_id, [], self.options.lease_seconds,
                                    on_lost=self._lost.put, on_problem=self.progress.message)
@@ -107,18 +109,11 @@ class Worker:
                     self._drop_lost()
                     claimed = self._claim_if_room()
                     if self._session.has_work():
-                        try:
-                            self._session.step()
-                        except Exception as exc:  # noqa: BLE001 - fail the batch, then decide
-                            crashes += 1
-                            self._crash(exc)
-                            if crashes >= MAX_ENGINE_CRASHES:
-                                raise WorkerError(f"the engine failed {crashes} times in a row; "
-                                                  f"last error: {self.summary.last_error}") from None
+                        if not self._engine_call(self._session.step):
                             continue
                         busy = self._session.has_work()
                         if self._write_and_settle(SETTLE_PER_ITERATION if busy else None):
-                            crashes = 0
+                            self._crashes = 0
                         continue
                     self._write_and_settle()
                     if claimed or self._runs:
@@ -133,6 +128,21 @@ class Worker:
             self.summary.stopped_by = self.stop_reason
             self.progress.finished(self.summary)
         return self.summary
+
+    def _engine_call(self, call) -> bool:
+        """Run an engine call (a step, a prefill ahead); False if the engine failed, which
+        fails the jobs in flight for a retry (`_crash`), or stops the worker after
+        MAX_ENGINE_CRASHES failures with no job finished between them."""
+        try:
+            call()
+            return True
+        except Exception as exc:  # noqa: BLE001 - fail the batch, then decide
+            self._crashes += 1
+            self._crash(exc)
+            if self._crashes >= MAX_ENGINE_CRASHES:
+                raise WorkerError(f"the engine failed {self._crashes} times in a row; "
+                                  f"last error: {self.summary.last_error}") from None
+            return False
 
     def _new_session(self):
         return self.engine.session(on_answer=self._on_answer, on_error=self._on_error)
@@ -180,7 +190,9 @@ class Worker:
         claim's SQL and its questions' tokenization happen between two engine steps, while the
         step in flight runs, so each call's share stays within about one step's time rather
         than the whole room's (the GPU would idle through the rest). An idle session takes all
-        the room it has at once. Among `peers`, claims stop at this worker's share."""
+        the room it has at once, the session prefilling each claim's document while the next
+        is claimed (`EngineSession.prefill_ahead`). Among `peers`, claims stop at this
+        worker's share."""
         busy = bool(self._runs)
         if self.stopping or not self._has_room() or not self._pacer.may_claim(busy):
             return False
@@ -211,6 +223,10 @@ class Worker:
                 break
             self._start(claims)
             got_any = True
+            # Idle, the next claims would leave the GPU waiting: it prefills these documents
+            # meanwhile. A failure there ends the claims like a failed step.
+            if not busy and not self._engine_call(self._session.prefill_ahead):
+                break
         return got_any
 
     def _start(self, claims: list[ClaimedJob]) -> None:

@@ -101,3 +101,35 @@ def test_a_gpu_engine_does_its_host_bookkeeping_on_one_thread():
     assert torch.get_num_threads() == 2
     Engine("dummy:tiny-gqa", device="cuda", config=EngineConfig(mem_fraction=0.05))
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("mode,streams", [("stock", None), ("cascade", None), ("parallel", 4)])
+def test_documents_prefilled_ahead_on_the_gpu_give_the_same_tokens(mode, streams, tmp_path):
+    """`prefill_ahead` between an idle session's submits (a worker's first claims) launches
+    the documents' chunks behind one another without waiting; CUDA graphs and the step in
+    flight then give every answer the token ids of the same submits without it (fp32)."""
+    tmpl = plain_template(tmp_path)
+    requests = overlap_workload(random.Random(f"ahead-{mode}"), tmpl)
+    by_doc: dict = {}
+    for r in requests:
+        by_doc.setdefault(r.document, []).append(r)
+
+    def run(ahead: bool) -> dict:
+        eng = Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
+                     config=EngineConfig(seed=3, mem_fraction=0.05, max_prefill_tokens=128))
+        got: dict = {}
+        session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, (a.token_ids,
+                                                                             a.finish_reason)))
+        launched = []
+        for batch in by_doc.values():
+            session.submit(batch, mode=mode, streams=streams, background=True)
+            if ahead:
+                launched.append(session.prefill_ahead())
+        while session.has_work():
+            session.step()
+        session.close()
+        assert all(launched)
+        return got
+
+    plain = run(False)
+    assert run(True) == plain and len(plain) == len(requests)

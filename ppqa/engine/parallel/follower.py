@@ -42,6 +42,8 @@ def follow(engine) -> None:
                 session.cancel(replaying_predicate(rest[0]))
             elif op == "step":
                 session.step()
+            elif op == "prefill_ahead":
+                session.prefill_ahead()
             elif op == "flush":
                 session.flush()
             elif op == "close":

@@ -134,6 +134,11 @@ class LeaderSession(EngineSession):
         self._lockstep.send()
         return super().step()
 
+    def prefill_ahead(self) -> bool:
+        self._lockstep.post("prefill_ahead", self._sid)
+        self._lockstep.send()
+        return super().prefill_ahead()
+
     def flush(self) -> None:
         self._lockstep.post("flush", self._sid)
         super().flush()
