@@ -149,6 +149,14 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
           --mode "$m" --max-docs "$n" --paths worker,worker --profile-pass 1 \
           --folder "/tmp/gprof_$tag" --out "$OUT/gprof_$tag.json" ${GPROF_ARGS:-} $first
       done ;;
+    gprofbase)  # gprof's first spec through the earlier tree in .base (made as for arrivalsab):
+      # its ppqa first on the path, this tree's session_timeline.py
+      IFS=: read -r w m n p <<< "${GPROF%% *}"
+      if [ "${p:-1}" = 0 ]; then first="--profile-pass 0 --warmup cold"; else first=""; fi
+      PYTHONPATH=/tmp/site:$PWD/.base step "gprof_${w}_${m}_base" 240 python3 \
+        benchmarks/session_timeline.py --workload "$w" --mode "$m" --max-docs "$n" \
+        --paths worker,worker --profile-pass "${p:-1}" --folder "/tmp/gprof_base" \
+        --out "$OUT/gprof_${w}_${m}_base.json" ${GPROF_ARGS:-} $first ;;
     cgroups)  # one decode step's attention with several documents of few questions (loogle's
       # shape), stock against cascade, contiguous then gathered documents
       step cgroups 150 python3 benchmarks/cascade_groups.py ${CG_ARGS:-} --out "$OUT/cascade_groups.json"
