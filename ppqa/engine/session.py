@@ -189,7 +189,10 @@ class EngineSession(SessionPrefill):
         documents while the host claims and tokenizes the next. Questions and decoding wait
         for `step`, whose first decode step holds every question admitted by then. Each call
         admits up to the prefill budget, where one first `step` admits that much in all and
-        the rest join later beside decode. Returns whether a document chunk was launched."""
+        the rest join later beside decode. A document admitted after another is prefilled
+        copies the leading tokens it shares with that one (`DocumentCache.insert`), which
+        decides its first chunk's attention path (attention/triton_backend.py). Returns
+        whether a document chunk was launched."""
         sched = self.sched
         if sched.running or self._in_flight is not None:
             return False
