@@ -315,7 +315,7 @@ def test_an_engine_failure_while_prefilling_ahead_fails_the_claims_for_a_retry(
         sqlite_db, add_job):
     """A document's prefill that fails between an idle worker's claims (out of memory) is an
     engine failure like a failed step: the jobs in flight fail for a retry, the worker goes
-    on with halved limits, and each question is answered once."""
+    on with a new session, and each question is answered once."""
     from ppqa.engine.engine import Engine
 
     class FailingAheadEngine(Engine):
