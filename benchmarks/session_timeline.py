@@ -102,6 +102,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
     restore = wrap(GraphCache, "run", tally, "graph_run", graph_result)
     captured_before = set(map(repr, _graph_keys(engine)))
     compiled_before = (compiles["count"], compiles["seconds"])
+    allocator_before = allocator_counts(engine)
     answers: list[float] = []
     batch_sizes: Counter = Counter()
     sessions: list = []
@@ -174,7 +175,23 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         "graph_keys": dict(key_use.most_common()),
         "captured_keys": sorted(set(map(repr, _graph_keys(engine))) - captured_before),
         "first_answer_s": (answers[0] - t0) if answers else None,
+        # The caching allocator's device calls in this pass: a failed cudaMalloc frees the
+        # cached blocks (a device-wide sync) and retries.
+        "allocator": {k: v - allocator_before.get(k, 0)
+                      for k, v in allocator_counts(engine).items()},
     }
+
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                    "num_sync_all_streams", "num_ooms")
+
+
+def allocator_counts(engine: Engine) -> dict[str, int]:
+    """The caching allocator's cumulative counters that cost the host a device call."""
+    if engine.device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(engine.device)
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
 
 
 def _graph_keys(engine: Engine) -> list:
@@ -424,6 +441,7 @@ def main() -> None:
               f"{run['first_answer_s']:.2f} s; steps {stats['steps']}, max batch "
               f"{stats['max_batch_requests']}", flush=True)
         print("  decode steps by batch:", Counter(run["decode_steps_by_batch"]).most_common(8))
+        print("  allocator:", run["allocator"])
         if "gpu_time" in run:
             print_summary(run["gpu_time"])
         print("  phases:", {k: round(v, 2) for k, v in run["phase_s"].items()},

@@ -220,29 +220,41 @@ def test_flashinfer_backend_refuses_what_it_cannot_run() -> None:
         EngineConfig(attention_backend="flashattention")
 
 
-def test_a_first_chunk_shape_goes_to_cudnn_once_flash_has_cost_a_plan(monkeypatch) -> None:
+def test_a_first_chunk_row_class_goes_to_cudnn_once_flash_has_cost_a_plan(monkeypatch) -> None:
     """`flash_first` (which fused kernel takes a document's first chunk): FlashAttention until
-    what it has cost over cuDNN's rate reaches one cuDNN plan, then cuDNN for good; a long
-    chunk gets there within its second document of a 32-layer model, a 2k-token one only
-    after many documents of the same length."""
+    what it has cost over cuDNN's rate on the class's padded rows reaches one cuDNN plan, then
+    cuDNN for good. Documents of different lengths in one row class pay together; a 16k chunk
+    of a 32-layer model gets there within its first document, a ~5.5k-token document of
+    Qwen2.5-7B (28 layers) within a few; a class whose padding costs cuDNN more than its rate
+    gains stays on FlashAttention."""
     from ppqa.engine.attention import triton_backend as tb
 
     monkeypatch.setattr(tb, "_CAUSAL_FLASH_LOSS", {})
-    heads, head_dim, layers = 32, 128, 32
-    calls = {}
-    for tokens in (2048, 8192):
-        flops = tb.causal_flops(tokens, heads, head_dim)
-        loss = flops * (1 / tb.FLASH_CAUSAL_FLOPS - 1 / tb.CUDNN_CAUSAL_FLOPS)
-        n = 0
-        while tb.flash_first(("test", tokens), flops):
-            n += 1
-            assert n < 100_000
-        assert (n - 1) * loss < tb.CUDNN_PLAN_SECONDS <= n * loss
-        assert not any(tb.flash_first(("test", tokens), flops) for _ in range(3))
-        assert tb.flash_first(("other", tokens), flops)  # each shape pays its own way
-        calls[tokens] = n
-    assert layers < calls[8192] <= 2 * layers
-    assert calls[2048] > 10 * layers
+
+    def documents_on_flash(lengths, heads, head_dim, layers, limit=1000):
+        """Documents of these lengths in turn, a call a layer: how many ran FlashAttention
+        throughout before a call went to cuDNN (None if none did within `limit`)."""
+        for n in range(limit):
+            rows = lengths[n % len(lengths)]
+            padded, loss = tb.first_chunk_class(rows, heads, head_dim)
+            if not all(tb.flash_first(("test", padded, heads), loss) for _ in range(layers)):
+                return n
+        return None
+
+    padded, loss = tb.first_chunk_class(16384, 32, 128)
+    assert padded == 16384 and loss > 0
+    assert documents_on_flash([16384], 32, 128, 32) == 0  # cuDNN within the first document
+    assert not tb.flash_first(("test", 16384, 32), loss)  # and for good
+    # Two lengths of one class (5,632 rows), alternating, pay one rent between them.
+    assert {tb.first_chunk_class(n, 28, 128)[0] for n in (5300, 5600)} == {5632}
+    alone = documents_on_flash([5300], 28, 128, 28)
+    monkeypatch.setattr(tb, "_CAUSAL_FLASH_LOSS", {})
+    assert documents_on_flash([5300, 5600], 28, 128, 28) <= alone
+    assert 2 <= alone <= 8
+    # 513 rows run as 1,024 on cuDNN: four times the work, more than its rate gains.
+    padded, loss = tb.first_chunk_class(513, 32, 128)
+    assert padded == 1024 and loss < 0
+    assert documents_on_flash([513], 32, 128, 32, limit=200) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -190,9 +190,9 @@ class EngineSession(SessionPrefill):
         for `step`, whose first decode step holds every question admitted by then. Each call
         admits up to the prefill budget, where one first `step` admits that much in all and
         the rest join later beside decode. A document admitted after another is prefilled
-        copies the leading tokens it shares with that one (`DocumentCache.insert`), which
-        decides its first chunk's attention path (attention/triton_backend.py). Returns
-        whether a document chunk was launched."""
+        copies the leading tokens it shares with that one (`DocumentCache.insert`); its
+        first chunk's attention path does not depend on it (attention/triton_backend.py,
+        `_first_chunk`). Returns whether a document chunk was launched."""
         sched = self.sched
         if sched.running or self._in_flight is not None:
             return False

@@ -1,5 +1,5 @@
 """A document's first prefill chunk in bf16 goes through torch's fused causal attention
-(`TritonBackend._fused_causal`); it must give what the extend kernel gives for the same chunk
+(`TritonBackend._first_chunk`); it must give what the extend kernel gives for the same chunk
 (the stream rule with every token a document token is plain causal attention)."""
 
 import dataclasses
@@ -48,12 +48,14 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
 
 @pytest.mark.parametrize("model", ["tiny-gqa", "tiny-hd128"])
 @pytest.mark.parametrize("plan_seconds", [1e-12, None])
-def test_a_first_chunk_shape_runs_flash_until_it_has_cost_cudnns_plan(model, plan_seconds,
-                                                                     monkeypatch):
-    """A first-chunk shape runs through FlashAttention (cuDNN would build a plan for it) until
-    the time that cost over cuDNN adds up to a plan: with a plan that costs next to nothing,
-    cuDNN takes the second call; with the real plan's cost, a short chunk of a tiny model
-    stays on FlashAttention. Both are causal attention."""
+def test_a_first_chunk_row_class_runs_flash_until_it_has_cost_cudnns_plan(model, plan_seconds,
+                                                                         monkeypatch):
+    """A first chunk's row class (rows padded to CHUNK_ROWS) runs through FlashAttention
+    (cuDNN would build a plan for it) until the time that cost over cuDNN adds up to a plan:
+    with a plan that costs next to nothing, cuDNN takes the second call; with the real plan's
+    cost, a short chunk of a tiny model stays on FlashAttention. A chunk of another length in
+    the same class after a copied opening of 59 tokens follows the class's choice. All are
+    causal attention."""
     from torch.nn.attention import SDPBackend
 
     from ppqa.engine.attention import triton_backend
@@ -61,7 +63,7 @@ def test_a_first_chunk_shape_runs_flash_until_it_has_cost_cudnns_plan(model, pla
     monkeypatch.setattr(triton_backend, "_CAUSAL_FLASH_LOSS", {})
     if plan_seconds is not None:
         monkeypatch.setattr(triton_backend, "CUDNN_PLAN_SECONDS", plan_seconds)
-    tokens = 613  # a length no other test's first chunk has
+    tokens = 1000  # class 1,024: cuDNN's padding costs less than its rate gains
     eng = Engine(f"dummy:{model}", device="cuda", dtype="bfloat16",
                  config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=tokens))
     cfg = eng.model_config
@@ -85,6 +87,16 @@ def test_a_first_chunk_shape_runs_flash_until_it_has_cost_cudnns_plan(model, pla
         assert err < 1e-2, err
     second = SDPBackend.FLASH_ATTENTION if plan_seconds is None else SDPBackend.CUDNN_ATTENTION
     assert used == [SDPBackend.FLASH_ATTENTION, second]
+    prior, rows = 59, 959
+    q = torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(rows, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(rows, hk, d, device="cuda", dtype=torch.bfloat16)
+    got = torch.full((rows - prior, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert backend._first_chunk(q[prior:], k[prior:], v[prior:], got, k[:prior], v[:prior])
+    assert backend.causal_backend_used == second
+    ref = _causal_reference(q, k, v)[prior:]
+    err = (got.float() - ref).norm() / ref.norm()
+    assert torch.isfinite(got).all() and err < 1e-2, err
     session.close()
 
 

@@ -6,10 +6,11 @@ batch shape, the metadata's maxima and the SM count. Per layer, `forward`:
   1. scatters the step's K/V into the layer's pool buffers (`store_kv`);
   2. "extend" (prefill, question prefill, every `parallel` decode step): `extend_attention`
      with the stream rule from meta.q_sid and pool.slot_sid; a document's first chunk
-     (`meta.plain_causal`) in bf16/fp16 through torch's fused causal attention instead, and
-     a later chunk of a document held in one slot run (`meta.doc_prior`) as two cuDNN calls,
-     the chunk against the earlier tokens (every key visible) and against itself (causal),
-     merged by their log-sum-exp;
+     (`meta.plain_causal`, or after a copied opening of at most CHUNK_ROWS tokens) in
+     bf16/fp16 through torch's fused causal attention instead, FlashAttention or cuDNN chosen
+     per row class (`flash_first`), and a later chunk of a document held in one slot run
+     (`meta.doc_prior`) as two cuDNN calls, the chunk against the earlier tokens (every key
+     visible) and against itself (causal), merged by their log-sum-exp;
      "decode" (stock): `decode_attention` over row[kv_start, prefix_len + 1);
      "decode" with meta.cascade: the suffix row[doc_len, prefix_len + 1) per request
      (decode kernel) and the group's document (shared-prefix kernel) each write partial states
@@ -76,7 +77,7 @@ class TritonBackend:
         self.scratch = PartialScratch(scratch_bytes // 4, self.device)
         self._meta: ForwardMetadata | None = None
         # The fused causal backends that take a document's first chunk: None until tried,
-        # () when none does, and the one that ran last (see _fused_causal).
+        # () when none does, and the one that ran last (see _first_chunk).
         self._causal_backends: tuple | None = None
         self.causal_backend_used = None
         # Whether cuDNN with its log-sum-exp took a later document chunk: None until tried.
@@ -158,7 +159,7 @@ class TritonBackend:
             self.init_forward_metadata(meta)
         plan = self._plan
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if meta.plain_causal and self._fused_causal(q, k, v, o):
+        if meta.plain_causal and self._first_chunk(q, k, v, o):
             return o
         if meta.doc_prior is not None and self._fused_chunk(q, k, v, o, k_buf, v_buf,
                                                             *meta.doc_prior):
@@ -180,51 +181,61 @@ class TritonBackend:
             self._cascade(q, o, k_buf, v_buf, meta, plan)
         return o
 
-    def _fused_causal(self, q, k, v, o) -> bool:
-        """A document's first chunk through torch's fused causal attention (cuDNN, else
-        FlashAttention), exact attention at the matrix units' rate: 530 TFLOP/s on an 8k
-        causal square where the extend kernel runs this shape at 160-170
-        (benchmarks/RESULTS.md, 'Prefill'). cuDNN builds a plan the first time it meets a
-        shape, and a first chunk shorter than max_prefill_tokens is a whole document, whose
-        length is seldom met twice: which of the two runs a shape is `flash_first`'s choice.
+    def _first_chunk(self, q, k, v, o, k_prior=None, v_prior=None) -> bool:
+        """A document's first chunk through torch's fused causal attention, exact attention at
+        the matrix units' rate where the extend kernel runs this shape at 160-170 TFLOP/s
+        (benchmarks/RESULTS.md, 'Prefill'). The chunk may follow a short prior (k_prior/
+        v_prior, at most CHUNK_ROWS tokens: a template's opening copied from a cached
+        document); then it is one causal square over prior + chunk rows whose prior rows'
+        queries are zeros and whose outputs are dropped. FlashAttention runs the square at its
+        exact rows and plans nothing; cuDNN runs it at its rows padded to a multiple of
+        CHUNK_ROWS (`chunk_attention`), so that every document of one row class shares the
+        plan it builds. `flash_first` decides per row class, whatever the document's opening.
         bf16/fp16 on a GPU only; False when it does not apply or no fused backend takes the
         shape, and the extend kernel runs instead."""
         if self._causal_backends == () or not _fusable(q):
             return False
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import SDPBackend
 
-        qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
-        gqa = qh.shape[1] != kh.shape[1]
+        prior = 0 if k_prior is None else k_prior.shape[0]
+        tokens, heads, head_dim = q.shape
+        padded, loss = first_chunk_class(prior + tokens, heads, head_dim)
         working = self._causal_backends or (SDPBackend.CUDNN_ATTENTION,
                                              SDPBackend.FLASH_ATTENTION)
-        shape = (tuple(q.shape), k.shape[1], q.dtype, q.device)
+        row_class = (padded, heads, k.shape[1], head_dim, q.dtype, q.device)
         order = working
-        if flash_first(shape, causal_flops(*q.shape)):
+        if flash_first(row_class, loss):
             order = sorted(working, key=lambda b: b != SDPBackend.FLASH_ATTENTION)
+        if k_prior is None:
+            k_prior, v_prior = k[:0], v[:0]
         for backend in order:
             try:
-                with sdpa_kernel(backend):
-                    out = torch.nn.functional.scaled_dot_product_attention(
-                        qh, kh, vh, is_causal=True, scale=self.sm_scale, enable_gqa=gqa)
-            except RuntimeError:
+                if backend == SDPBackend.FLASH_ATTENTION:
+                    _flash_causal(q, k, v, k_prior, v_prior, o, self.sm_scale)
+                else:
+                    chunk_attention(q, k, v, k_prior, v_prior, o, self.sm_scale)
+            except (RuntimeError, TypeError):  # not taken here, or an op of another signature
                 working = tuple(b for b in working if b != backend)
                 continue
             self._causal_backends, self.causal_backend_used = working, backend
-            o.copy_(out[0].transpose(0, 1))
             return True
         self._causal_backends = ()
         return False
 
     def _fused_chunk(self, q, k, v, o, k_buf, v_buf, first_slot: int, prior: int) -> bool:
         """A later prefill chunk of a document whose earlier `prior` tokens are the slot run
-        from `first_slot`, through cuDNN (`chunk_attention`). The extend kernel runs these
+        from `first_slot`. After a short prior (at most CHUNK_ROWS tokens: an opening copied
+        from a cached document) the chunk is the document's first (`_first_chunk`); after a
+        longer one it goes through cuDNN (`chunk_attention`). The extend kernel runs these
         chunks at 310-340 TFLOP/s with the document hint; this way a document prefills 15-18%
         faster once cuDNN holds plans for the shapes (results/h200/prefill_chunks_s14c6.json).
         bf16/fp16 on a GPU only; False when it does not apply or cuDNN does not take the
         shapes, and the extend kernel runs instead."""
+        earlier = [x[first_slot:first_slot + prior] for x in (k_buf, v_buf)]
+        if prior <= CHUNK_ROWS:
+            return self._first_chunk(q, k, v, o, *earlier)
         if self._chunk_ok is False or not _fusable(q):
             return False
-        earlier = [x[first_slot:first_slot + prior] for x in (k_buf, v_buf)]
         try:
             chunk_attention(q, k, v, *earlier, o, self.sm_scale)
         except (RuntimeError, TypeError):  # no cuDNN here, or an op of another signature
@@ -296,8 +307,9 @@ class TritonBackend:
 FLASH_CAUSAL_FLOPS = 280e12
 CUDNN_CAUSAL_FLOPS = 580e12
 CUDNN_PLAN_SECONDS = 0.045
-# Per first-chunk shape (q's, KV heads, dtype, device) run in this process: the seconds its
-# FlashAttention calls have cost over cuDNN's rate; None once cuDNN takes it.
+# Per first-chunk row class (rows padded to CHUNK_ROWS, heads, KV heads, head size, dtype,
+# device) run in this process: the seconds its FlashAttention calls have cost over cuDNN's
+# rate; None once cuDNN takes it.
 _CAUSAL_FLASH_LOSS: dict[tuple, float | None] = {}
 
 
@@ -306,21 +318,31 @@ def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
     return 2.0 * tokens * tokens * heads * head_dim
 
 
-def flash_first(shape: tuple, flops: float) -> bool:
-    """Whether this call of a first-chunk shape goes to FlashAttention before cuDNN. A shape
-    runs through FlashAttention until what that has cost over cuDNN's rate adds up to one of
-    cuDNN's plans, then through cuDNN for good (rent until the rent paid equals the price: at
-    most twice the best choice made knowing how often the shape comes). A 2k-token document of
-    a 7B model, one call a layer, comes ~700 times before cuDNN pays (a length documents
-    seldom share); an 8k chunk, the first chunk of every longer document, within its second
-    document."""
-    lost = _CAUSAL_FLASH_LOSS.get(shape, 0.0)
+def first_chunk_class(rows: int, heads: int, head_dim: int) -> tuple[int, float]:
+    """A first chunk's square of `rows` rows: its row class (the rows cuDNN runs, padded to a
+    multiple of CHUNK_ROWS) and the seconds FlashAttention at the exact rows takes over cuDNN
+    at the padded ones, at their rates (negative where the padding costs more)."""
+    padded = -(-rows // CHUNK_ROWS) * CHUNK_ROWS
+    return padded, (causal_flops(rows, heads, head_dim) / FLASH_CAUSAL_FLOPS
+                    - causal_flops(padded, heads, head_dim) / CUDNN_CAUSAL_FLOPS)
+
+
+def flash_first(row_class: tuple, loss: float) -> bool:
+    """Whether this first chunk of a row class goes to FlashAttention before cuDNN; `loss` is
+    the seconds FlashAttention takes over cuDNN on it (cuDNN's rows padded to the class). A
+    class runs through FlashAttention until what that has cost adds up to one of cuDNN's
+    plans, then through cuDNN for good (rent until the rent paid equals the price: at most
+    twice the best choice made knowing how often the class comes). A class whose padding costs
+    cuDNN more than its rate gains (loss <= 0) stays on FlashAttention. A 5.7k-token document
+    of Qwen2.5-7B loses ~10 ms over its 28 layers, so its class goes to cuDNN at its fifth
+    document; a 16k chunk within its first document."""
+    lost = _CAUSAL_FLASH_LOSS.get(row_class, 0.0)
     if lost is None:
         return False
     if lost >= CUDNN_PLAN_SECONDS:
-        _CAUSAL_FLASH_LOSS[shape] = None
+        _CAUSAL_FLASH_LOSS[row_class] = None
         return False
-    _CAUSAL_FLASH_LOSS[shape] = lost + flops * (1 / FLASH_CAUSAL_FLOPS - 1 / CUDNN_CAUSAL_FLOPS)
+    _CAUSAL_FLASH_LOSS[row_class] = lost + max(loss, 0.0)
     return True
 
 
@@ -341,7 +363,8 @@ def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None)
     template's opening) varies from document to document and would cost a plan each (50-100
     ms the GPU idles, results/h200/gprof_quality_auto_s21c3.json, `cudnn_calls`); there the
     chunk is one causal call over P + T keys instead, the P earlier rows' queries zeros and
-    their outputs dropped, so the padded total is the plan's only length."""
+    their outputs dropped, so the padded total is the plan's only length (P = 0: a document's
+    first tokens; `TritonBackend._first_chunk` chooses between this and FlashAttention)."""
     attend = attend or _cudnn_attention
     group = q.shape[1] // k.shape[1]
     tokens, prior = q.shape[0], k_earlier.shape[0]
@@ -360,6 +383,22 @@ def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None)
     o_b, lse_b = attend(qh, _heads_first(k, group, rows), _heads_first(v, group, rows),
                         causal=True, scale=scale)
     merge_attention_states(o_a[:tokens], lse_a[:tokens], o_b[:tokens], lse_b[:tokens], o)
+
+
+def _flash_causal(q, k, v, k_prior, v_prior, o, scale: float) -> None:
+    """`chunk_attention`'s short-prior square through torch's FlashAttention at its exact
+    rows: q [T, H, D] after the P earlier tokens k_prior/v_prior [P, Hkv, D], into o."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    prior = k_prior.shape[0]
+    if prior:
+        q = torch.cat([q.new_zeros((prior,) + q.shape[1:]), q])
+        k, v = torch.cat([k_prior, k]), torch.cat([v_prior, v])
+    qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
+    o.copy_(out[0, :, prior:].transpose(0, 1))
 
 
 def _heads_first(x: torch.Tensor, group: int = 1, rows: int | None = None) -> torch.Tensor:
