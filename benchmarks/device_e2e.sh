@@ -66,6 +66,17 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step startup_warm 90 python3 benchmarks/startup_profile.py $([ -n "${PROFILE:-}" ] || echo --no-profile) ${HELPERS:+--helpers} \
         ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_warm.json"
       unset TRITON_CACHE_DIR ;;
+    startupwarm)  # start-up on the Triton cache as it is (after prewarm: warm), profiled
+      step startup_warm_prof 90 python3 benchmarks/startup_profile.py \
+        ${STARTUP_JOB:+--job "$STARTUP_JOB"} --out "$OUT/startup_warm_prof.json" ;;
+    startupab)  # start-up on the Triton cache as it is, the earlier tree in .base against
+      # this one, alternated, STARTUP_PAIRS times (no profiler): each run's ready time
+      for i in $(seq "${STARTUP_PAIRS:-3}"); do
+        PYTHONPATH=/tmp/site:$PWD/.base step "startup_base$i" 60 python3 \
+          benchmarks/startup_profile.py --no-profile --out "$OUT/startup_base$i.json"
+        step "startup_new$i" 60 python3 benchmarks/startup_profile.py --no-profile \
+          --out "$OUT/startup_new$i.json"
+      done ;;
     startup_alt)  # another helper layout on an empty cache: ALT_LAYOUT (phases, the default
       # here, or record), ALT_GROUPS (phases only: startup_profile --groups)
       export TRITON_CACHE_DIR=/tmp/triton-startup-alt-$$
@@ -75,6 +86,9 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       unset TRITON_CACHE_DIR ;;
     pytest)
       step pytest 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/kernels ;;
+    docproduct)  # cascade's document part: ours against torch's cuDNN and FlashAttention
+      step docproduct 150 python3 benchmarks/doc_product.py ${DOCPRODUCT_ARGS:-} \
+        --out "$OUT/doc_product.json" ;;
     sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
       step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefillab)  # a document's later chunks: the extend kernel against cuDNN with its lse
@@ -132,6 +146,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step hostthreads 120 python3 benchmarks/host_threads.py --out "$OUT/host_threads.json" ;;
     cudnnfirst)  # a process's first cuDNN call on the main thread, or after one on another
       step cudnnfirst 120 python3 benchmarks/cudnn_first_call.py --out "$OUT/cudnn_first_call.json" ;;
+    cudnnplans)  # what each new shape of cuDNN attention costs a fresh process's main thread
+      step cudnnplans 150 python3 benchmarks/cudnn_plans.py --out "$OUT/cudnn_plans.json" ;;
     suffix)  # the cascade step's suffix attention (each request's own tokens) by tile
       step suffix 150 python3 benchmarks/suffix_tiles.py --out "$OUT/suffix_tiles.json" ;;
     merge)  # the merge kernel's states per loop step at decode's shapes

@@ -86,6 +86,7 @@ def main() -> None:
         torch.cuda.synchronize()
     prof.disable()
     phases["engine_build_s"] = time.perf_counter() - t
+    phases["first_use_s"] = dict(engine.parts.first_use.seconds)  # the thread's steps
     if args.helpers:
         phases["helpers_wait"] = precompile.last_wait  # (finished well, started, seconds)
         phases["helpers"] = precompile.last_reports  # each helper's phases and own timing

@@ -267,3 +267,20 @@ def test_the_first_use_thread_step_ops_run_and_compute(dtype) -> None:
     # argmax of equal logits 0, the dtype's add 2 x 8 x 2 = 32, the table's rows 0 and 1
     assert out.tolist() == [32, 33]
     assert first_use.start(torch.device("cpu"), dtype, 64, 4, 16, 1e-5, 50).seconds == {}
+
+
+def test_the_triton_key_hashed_ahead_is_the_one_triton_keeps() -> None:
+    """engine/first_use.py's `triton_key` finds the installed Triton's own key function, and
+    what it computes is what Triton's next lookup gets from its cache (computed once, ahead of
+    the first launch); `prepare` starts no thread off a GPU."""
+    import triton
+
+    from ppqa.engine import first_use
+
+    assert first_use.prepare(torch.device("cpu")) is None
+    key = first_use.triton_key()
+    assert isinstance(key, str) and key.startswith(triton.__version__)
+    from triton.runtime.cache import triton_key as tritons
+
+    hits = tritons.cache_info().hits
+    assert tritons() == key and tritons.cache_info().hits == hits + 1

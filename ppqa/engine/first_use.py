@@ -22,6 +22,7 @@ since the same call on the main thread raises it where it matters.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,40 @@ class FirstUse:
         return self
 
 
+def triton_key() -> str | None:
+    """Triton's own cache key (a hash of its compiler's sources and of libtriton, ~0.3 s of
+    reading and hashing that releases the GIL; results/h100/startup_warm_prof_s33c3.json),
+    which Triton computes once per process, before its first kernel's cache lookup, and keeps;
+    None where this Triton has no such function where this looks for it."""
+    for module in ("triton.runtime.cache", "triton.compiler.compiler"):
+        try:
+            key = getattr(importlib.import_module(module), "triton_key", None)
+        except ImportError:
+            continue
+        if key is not None:
+            return key()
+    return None
+
+
+def prepare(device: torch.device) -> threading.Thread | None:
+    """On a CUDA device, start computing `triton_key` on a thread now, before the model's
+    configuration is known and `start` can run: the hashing then overlaps the loading of the
+    tokenizer and weights, where it would otherwise lead the first-use thread's first Triton
+    launch, on which the main thread waits (`FirstUse.join`). None elsewhere."""
+    if device.type != "cuda":
+        return None
+
+    def run():
+        try:
+            triton_key()
+        except Exception:  # noqa: BLE001 - the first launch computes it again and reports
+            pass
+
+    thread = threading.Thread(target=run, name="ppqa-triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
 def step_ops(device: torch.device, dtype: torch.dtype, vocab: int) -> torch.Tensor:
     """The ops of a step's input preparation and greedy pick (engine/runtime/runner.py,
     runtime/kv_cache.py, runtime/sampling.py) on a few elements of the same dtypes, so that
@@ -59,12 +94,14 @@ def step_ops(device: torch.device, dtype: torch.dtype, vocab: int) -> torch.Tens
 
 
 def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
-          head_dim: int, eps: float, vocab: int) -> FirstUse:
+          head_dim: int, eps: float, vocab: int,
+          prepared: threading.Thread | None = None) -> FirstUse:
     """Start the thread on a CUDA device (elsewhere nothing to set up: an empty `FirstUse`).
     cuDNN and FlashAttention only in bf16/fp16, where the attention backend calls them (they
     take no other dtype, and torch warns of each it refuses). The Triton launch is the model's
     own RMSNorm variant (its hidden size and dtype), which a warm Triton cache holds, so the
-    thread loads it rather than compiling a new one."""
+    thread loads it rather than compiling a new one; it waits for `prepared` (`prepare`'s
+    thread) first, so that Triton's key is computed once."""
     first = FirstUse()
     if device.type != "cuda":
         return first
@@ -80,6 +117,8 @@ def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
     def triton_kernel():
         from ppqa.kernels.fused import rms_norm
 
+        if prepared is not None:
+            prepared.join()
         rms_norm(torch.ones(2, hidden, device=device, dtype=dtype),
                  torch.ones(hidden, device=device, dtype=dtype), eps)
 
@@ -98,12 +137,12 @@ def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
 
     def run():
         with torch.cuda.device(device):
-            step("triton", triton_kernel)
             step("cublas", gemm)
             step("torch_ops", lambda: step_ops(device, dtype, vocab))
             if dtype in (torch.bfloat16, torch.float16):  # the fused kernels' dtypes
                 step("cudnn", attention("CUDNN_ATTENTION"))
                 step("flash", attention("FLASH_ATTENTION"))
+            step("triton", triton_kernel)  # last: `prepared` has the longest to hash
             torch.cuda.synchronize(device)
 
     first.thread = threading.Thread(target=run, name="ppqa-first-use", daemon=True)

@@ -114,12 +114,13 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
 
         tp = tensor_parallel.TensorParallel.from_process_group(config.tensor_parallel, dev)
         lockstep, transform = Lockstep(tp), tensor_parallel.transform(tp)
+    early = first_use.prepare(dev)  # Triton's own key, hashed while the weights load
     loaded = load(dev, torch_dtype, config.seed)
     if tp is not None:
         tensor_parallel.check_divisible(loaded.config, tp.world)  # before any weight loads
     mc = loaded.config
     libraries = first_use.start(dev, torch_dtype, mc.hidden_size, mc.num_heads, mc.head_dim,
-                                mc.rms_norm_eps, mc.vocab_size)
+                                mc.rms_norm_eps, mc.vocab_size, prepared=early)
     model = build_model(loaded.config, loaded.weights, device=dev, dtype=torch_dtype,
                         transform=transform)
     libraries.join()  # before the pool's size is read from the memory free

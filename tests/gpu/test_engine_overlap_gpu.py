@@ -91,6 +91,12 @@ def test_a_gpu_engine_makes_the_libraries_first_use_while_its_model_builds():
         fp32.errors
     cpu = Engine("dummy:tiny-gqa", device="cpu").parts.first_use
     assert cpu.seconds == {} and cpu.thread is None
+    from ppqa.engine import first_use
+
+    ahead = first_use.prepare(torch.device("cuda"))  # Triton's own key, hashed on a thread
+    assert ahead is not None
+    ahead.join()
+    assert first_use.triton_key() is not None
 
 
 def test_a_gpu_engine_does_its_host_bookkeeping_on_one_thread():
