@@ -262,7 +262,10 @@ class Engine:
         step holding stock and cascade requests together; `choices` a few questions scored
         against single- and multi-token choices; `tiles` the cascade document kernel at every
         tile it can choose, over gathered and contiguous documents (GPU only: which a session
-        meets depends on its timing, TritonBackend.warm_cascade_tiles). Each decode shape runs
+        meets depends on its timing, TritonBackend.warm_cascade_tiles); `cudnn` a document
+        chunk's cuDNN calls in each kind (causal, unmasked over aligned and over unaligned
+        keys: kernels cuDNN builds once per machine, TritonBackend.warm_cudnn_kernels; GPU
+        only). Each decode shape runs
         three steps, the use on which it is captured. The synthetic documents stay cached only
         until their KV is needed. Later phases meet the documents earlier ones left cached, so
         compile helpers (engine/precompile.py) run them in groups that keep that order."""
@@ -301,11 +304,16 @@ class Engine:
                 warm(self.parts.table.table,
                      max(self.config.max_batch_requests, self.config.max_prefill_tokens))
 
+        def cudnn() -> None:
+            warm = getattr(self.parts.backend, "warm_cudnn_kernels", None)
+            if warm is not None and self.device.type == "cuda":
+                warm()
+
         return [("long", long_document(many, ("cascade",))),
                 ("few-long", long_document(few, ("stock", "cascade"))),
                 ("many", lambda: self.answer(short, many, mode="stock", sampling=sampling)),
                 *((f"few-{mode}", few_in(mode)) for mode in ("stock", "cascade", "parallel")),
-                ("mixed", mixed), ("choices", choices), ("tiles", tiles)]
+                ("mixed", mixed), ("choices", choices), ("tiles", tiles), ("cudnn", cudnn)]
 
     # ---- used by sessions --------------------------------------------------------------------
 

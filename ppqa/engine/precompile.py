@@ -56,7 +56,7 @@ MARKER_PREFIX = "ppqa-warm-"
 # phase shares (~6.5 s of its 8-11 s). Seven one-phase helpers, each phase run twice, ended no
 # sooner (ready 25.4 s against 25.0 with these four) and left the worker's warm-up two extend
 # variants to compile (results/h200/startup_cold_helpers7_s12.json, startup_cold_helpers4_s12c4.json).
-HELPER_PHASES = (("long", "few-long"), ("many",),
+HELPER_PHASES = (("long", "few-long"), ("many", "cudnn"),
                  ("few-stock", "few-cascade", "few-parallel", "mixed"),
                  ("few-cascade", "choices", "tiles"))
 # EngineConfig fields that change which kernels the warm-up meets and that a worker knows

@@ -122,6 +122,31 @@ class TritonBackend:
                 rows *= 2
         return len(seen)
 
+    def warm_cudnn_kernels(self, rows: int = 4 * CHUNK_ROWS) -> int:
+        """Run `chunk_attention`'s cuDNN calls once in each kind a prefill meets, on tensors of
+        its own: a chunk of `rows` tokens after an earlier part of 4 x CHUNK_ROWS keys and after
+        one of 59 more (a length no multiple of 64, as after a copied template opening), each
+        a causal call over the chunk and an unmasked one over the earlier keys. cuDNN
+        builds each kind's kernel once per machine (0.7-1.5 s, kept across processes); a
+        warm-up's documents need not meet every kind (a first chunk takes cuDNN only once its
+        row class has paid, `flash_first`; no warm-up document follows a copied opening), and
+        met in a job instead, each build leaves the GPU idle (results/h100/cudnn_plans_s33c4
+        .json, gprof_paper_auto_first_s33c3.json). Returns the calls made (0 where cuDNN
+        takes no such tensors: not a GPU, or not bf16/fp16)."""
+        q = torch.zeros(rows, self.num_heads, self.head_dim, dtype=self.dtype,
+                        device=self.device)
+        if not _fusable(q):
+            return 0
+        k = torch.zeros(rows, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                        device=self.device)
+        o = torch.empty_like(q)
+        calls = 0
+        for earlier in (4 * CHUNK_ROWS, 4 * CHUNK_ROWS + 59):  # past CHUNK_ROWS: two calls
+            prior = k.new_zeros((earlier,) + k.shape[1:])
+            chunk_attention(q, k, k, prior, prior, o, self.sm_scale)
+            calls += 2
+        return calls
+
     def init_forward_metadata(self, meta: ForwardMetadata) -> None:
         self._plan = self.plan(meta)
         self._meta = meta
