@@ -133,7 +133,9 @@ def test_the_cpu_never_counts_its_kernels_cached(triton_cache):
 def test_the_recorder_lists_each_variant_once_and_skips_it(tmp_path):
     """`record_variants` with the call Triton makes on a kernel variant it has not compiled
     (JITFunction._do_compile's jit_cache_hook): each variant listed once, in the order met,
-    every launch skipped, a phase that fails recorded, the list written, the hook restored."""
+    every launch skipped, a phase that fails recorded, the list written, the hook restored;
+    a phase that launches no Triton kernel (`UNRECORDED`: cuDNN's builds) not run before the
+    list is out."""
     from triton import knobs
 
     class Info:  # triton's JitFunctionInfo
@@ -153,7 +155,9 @@ def test_the_recorder_lists_each_variant_once_and_skips_it(tmp_path):
     class Engine:
         def warmup_phases(self):
             return [("a", lambda: [launch(v) for v in ("x", "y", "x")]), ("b", garbage),
-                    ("c", lambda: launch("z"))]
+                    ("c", lambda: launch("z")), ("cudnn", lambda: unrecorded.append(1))]
+
+    unrecorded = []
 
     before = knobs.runtime.jit_cache_hook
     result = compile_helper.record_variants(Engine(), tmp_path)
@@ -162,6 +166,7 @@ def test_the_recorder_lists_each_variant_once_and_skips_it(tmp_path):
     assert [v["spec"] for v in listed] == ["x", "y", "c", "z"]
     assert listed[0] == {"module": "ppqa.kernels.fake", "name": "_kernel", "spec": "x"}
     assert skipped == [True] * 5 and knobs.runtime.jit_cache_hook is before
+    assert compile_helper.UNRECORDED == ("cudnn",) and unrecorded == []
 
 
 FAKE_KERNELS = """
