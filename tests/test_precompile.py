@@ -167,6 +167,8 @@ def test_the_recorder_lists_each_variant_once_and_skips_it(tmp_path):
     assert listed[0] == {"module": "ppqa.kernels.fake", "name": "_kernel", "spec": "x"}
     assert skipped == [True] * 5 and knobs.runtime.jit_cache_hook is before
     assert compile_helper.UNRECORDED == ("cudnn",) and unrecorded == []
+    compile_helper.run_unrecorded(Engine())  # after the list: those phases alone, for real
+    assert unrecorded == [1] and skipped == [True] * 5
 
 
 FAKE_KERNELS = """

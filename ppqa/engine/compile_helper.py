@@ -94,6 +94,13 @@ def record_variants(engine, folder: Path) -> dict:
     return {"variants": len(variants), "failed": failed}
 
 
+def run_unrecorded(engine) -> None:
+    """The UNRECORDED warm-up phases of `engine`, run for real."""
+    for name, phase in engine.warmup_phases():
+        if name in UNRECORDED:
+            phase()
+
+
 def write_list(folder: Path, variants: list[dict]) -> None:
     """The recorder's list of variants ({"module", "name", "spec"}: where the kernel is and
     Triton's specialization data), written so that compilers see the whole list or none."""
@@ -195,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         built = time.time() - origin
         recorded = record_variants(engine, Path(args.record))
         listed = time.time() - origin
-        rest = threading.Thread(target=lambda: [phase() for name, phase in
-                                                engine.warmup_phases() if name in UNRECORDED])
+        rest = threading.Thread(target=run_unrecorded, args=(engine,), name="ppqa-unrecorded")
         rest.start()  # cuDNN's kernels built beside this helper's share of the compiling
         compiled = compile_listed(Path(args.record))
         rest.join()
