@@ -37,3 +37,18 @@ def test_the_warmup_calls_cudnn_in_each_kind_a_prefill_meets(heads, monkeypatch)
     # unmasked part over an earlier run of 2048 keys and of 2107 (no multiple of 64)
     assert sorted(met) == [(False, num_heads, 2048, 2048), (False, num_heads, 2048, 2107),
                            (True, num_heads, 2048, 2048), (True, num_heads, 2048, 2048)]
+
+
+def test_a_warmup_goes_on_where_cudnn_refuses_the_shapes(monkeypatch):
+    """A model whose heads cuDNN does not take (the engine's own chunks then fall back to other
+    kernels): the warm-up's cuDNN calls give up quietly, and the warm-up goes on."""
+    num_heads, kv_heads, dim = HEADS[0]
+    pool = KVPool(64, 1, kv_heads, dim, dtype=DTYPE, device=DEVICE)
+    backend = TritonBackend(pool, num_heads, kv_heads, dim, dim ** -0.5, scratch_bytes=1 << 20)
+
+    def refuse(q, k, v, *, causal, scale):
+        raise RuntimeError("cuDNN: no engine for these shapes")
+
+    monkeypatch.setattr(triton_backend, "_fusable", lambda q: True)
+    monkeypatch.setattr(triton_backend, "_cudnn_attention", refuse)
+    assert backend.warm_cudnn_kernels() == 0

@@ -131,8 +131,9 @@ class TritonBackend:
         warm-up's documents need not meet every kind (a first chunk takes cuDNN only once its
         row class has paid, `flash_first`; no warm-up document follows a copied opening), and
         met in a job instead, each build leaves the GPU idle (results/h100/cudnn_plans_s33c4
-        .json, gprof_paper_auto_first_s33c3.json). Returns the calls made (0 where cuDNN
-        takes no such tensors: not a GPU, or not bf16/fp16)."""
+        .json, gprof_paper_auto_first_s33c3.json). Returns the calls made: 0 where cuDNN
+        takes no such tensors (not a GPU, not bf16/fp16, or shapes it refuses, where the
+        engine's own calls fall back to other kernels as well)."""
         q = torch.zeros(rows, self.num_heads, self.head_dim, dtype=self.dtype,
                         device=self.device)
         if not _fusable(q):
@@ -143,7 +144,10 @@ class TritonBackend:
         calls = 0
         for earlier in (4 * CHUNK_ROWS, 4 * CHUNK_ROWS + 59):  # past CHUNK_ROWS: two calls
             prior = k.new_zeros((earlier,) + k.shape[1:])
-            chunk_attention(q, k, k, prior, prior, o, self.sm_scale)
+            try:
+                chunk_attention(q, k, k, prior, prior, o, self.sm_scale)
+            except (RuntimeError, TypeError):  # as `_fused_chunk`: not taken here
+                return 0
             calls += 2
         return calls
 
