@@ -54,6 +54,21 @@ def child(case: str) -> dict:
     return out
 
 
+def in_fresh_processes(script: str, cases: tuple[str, ...], repeats: int) -> list[dict]:
+    """Each case of `script` (`--child CASE`, which prints its result as JSON last) in a
+    fresh process, all cases `repeats` times in turn; each result printed as it comes."""
+    results = []
+    for _ in range(repeats):
+        for case in cases:
+            run = subprocess.run([sys.executable, script, "--child", case], check=True,
+                                 capture_output=True, text=True)
+            result = json.loads(run.stdout.strip().splitlines()[-1])
+            results.append(result)
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()},
+                  flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", default=None)
@@ -63,15 +78,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
-    results = []
-    for _ in range(args.repeats):
-        for case in ("main", "thread"):
-            run = subprocess.run([sys.executable, __file__, "--child", case], check=True,
-                                 capture_output=True, text=True)
-            result = json.loads(run.stdout.strip().splitlines()[-1])
-            results.append(result)
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()},
-                  flush=True)
+    results = in_fresh_processes(__file__, ("main", "thread"), args.repeats)
     with open(args.out, "w") as f:
         json.dump({"runs": results}, f, indent=1)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -84,14 +83,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
-    results = []
-    for _ in range(args.repeats):
-        for case in ("main", "prepaid", "tiny"):
-            run = subprocess.run([sys.executable, __file__, "--child", case], check=True,
-                                 capture_output=True, text=True)
-            result = json.loads(run.stdout.strip().splitlines()[-1])
-            results.append(result)
-            print(json.dumps(result), flush=True)
+    from cudnn_first_call import in_fresh_processes  # beside this script
+
+    results = in_fresh_processes(__file__, ("main", "prepaid", "tiny"), args.repeats)
     with open(args.out, "w") as f:
         json.dump({"sequence": SEQUENCE, "runs": results}, f, indent=1)
 
