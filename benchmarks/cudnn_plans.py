@@ -2,7 +2,7 @@
 can pay for the main thread.
 
 The engine's document prefill calls torch's cuDNN attention with its log-sum-exp
-(`triton_backend._cudnn_attention`): a first chunk as one causal square, a later chunk as a
+(`fused_chunks.cudnn_attention`): a first chunk as one causal square, a later chunk as a
 causal part and an unmasked part over the earlier tokens. A profiled fresh `paper` process
 showed two host stalls of ~775 ms and one of ~67 ms inside that call
 (results/h100/gprof_paper_auto_first_s33c3.json), where a plan was thought to cost ~45 ms.
@@ -43,7 +43,7 @@ def child(case: str) -> dict:
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from ppqa.engine.attention.triton_backend import _cudnn_attention
+    from ppqa.engine.attention.fused_chunks import cudnn_attention
 
     dev = torch.device("cuda")
     torch.zeros(1, device=dev)  # the CUDA context, as the engine has it by then
@@ -55,7 +55,7 @@ def child(case: str) -> dict:
         k = torch.randn(1, 32, keys, 128, dtype=torch.bfloat16, device=dev, generator=gen)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        _cudnn_attention(q, k, k, causal=causal, scale=128 ** -0.5)
+        cudnn_attention(q, k, k, causal=causal, scale=128 ** -0.5)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 

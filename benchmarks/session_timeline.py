@@ -311,12 +311,12 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
 
 def trace_cudnn(calls: list[list]) -> None:
     """Wrap the engine's two ways into cuDNN attention (torch's SDPA for a first chunk, the
-    backend's `_cudnn_attention` for a later chunk) to record [kind, host seconds, key met
+    backend's `fused_chunks.cudnn_attention` for a later chunk) to record [kind, host seconds, key met
     before in this process, key]: the key is what cuDNN's plan cache is keyed by (shapes,
     strides, causal)."""
     import torch.nn.functional as F
 
-    from ppqa.engine.attention import triton_backend
+    from ppqa.engine.attention import fused_chunks
 
     seen: set = set()
 
@@ -332,7 +332,7 @@ def trace_cudnn(calls: list[list]) -> None:
         return call
 
     F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
-    triton_backend._cudnn_attention = timed("chunk", triton_backend._cudnn_attention)
+    fused_chunks.cudnn_attention = timed("chunk", fused_chunks.cudnn_attention)
 
 
 def main() -> None:

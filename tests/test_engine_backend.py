@@ -227,32 +227,32 @@ def test_a_first_chunk_row_class_goes_to_cudnn_once_flash_has_cost_a_plan(monkey
     of a 32-layer model gets there within its first document, a ~5.5k-token document of
     Qwen2.5-7B (28 layers) within a few; a class whose padding costs cuDNN more than its rate
     gains stays on FlashAttention."""
-    from ppqa.engine.attention import triton_backend as tb
+    from ppqa.engine.attention import fused_chunks as fc
 
-    monkeypatch.setattr(tb, "_CAUSAL_FLASH_LOSS", {})
+    monkeypatch.setattr(fc, "_CAUSAL_FLASH_LOSS", {})
 
     def documents_on_flash(lengths, heads, head_dim, layers, limit=1000):
         """Documents of these lengths in turn, a call a layer: how many ran FlashAttention
         throughout before a call went to cuDNN (None if none did within `limit`)."""
         for n in range(limit):
             rows = lengths[n % len(lengths)]
-            padded, loss = tb.first_chunk_class(rows, heads, head_dim)
-            if not all(tb.flash_first(("test", padded, heads), loss) for _ in range(layers)):
+            padded, loss = fc.first_chunk_class(rows, heads, head_dim)
+            if not all(fc.flash_first(("test", padded, heads), loss) for _ in range(layers)):
                 return n
         return None
 
-    padded, loss = tb.first_chunk_class(16384, 32, 128)
+    padded, loss = fc.first_chunk_class(16384, 32, 128)
     assert padded == 16384 and loss > 0
     assert documents_on_flash([16384], 32, 128, 32) == 0  # cuDNN within the first document
-    assert not tb.flash_first(("test", 16384, 32), loss)  # and for good
+    assert not fc.flash_first(("test", 16384, 32), loss)  # and for good
     # Two lengths of one class (5,632 rows), alternating, pay one rent between them.
-    assert {tb.first_chunk_class(n, 28, 128)[0] for n in (5300, 5600)} == {5632}
+    assert {fc.first_chunk_class(n, 28, 128)[0] for n in (5300, 5600)} == {5632}
     alone = documents_on_flash([5300], 28, 128, 28)
-    monkeypatch.setattr(tb, "_CAUSAL_FLASH_LOSS", {})
+    monkeypatch.setattr(fc, "_CAUSAL_FLASH_LOSS", {})
     assert documents_on_flash([5300, 5600], 28, 128, 28) <= alone
     assert 2 <= alone <= 8
     # 513 rows run as 1,024 on cuDNN: four times the work, more than its rate gains.
-    padded, loss = tb.first_chunk_class(513, 32, 128)
+    padded, loss = fc.first_chunk_class(513, 32, 128)
     assert padded == 1024 and loss < 0
     assert documents_on_flash([513], 32, 128, 32, limit=200) is None
 

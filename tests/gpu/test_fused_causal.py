@@ -58,11 +58,11 @@ def test_a_first_chunk_row_class_runs_flash_until_it_has_cost_cudnns_plan(model,
     causal attention."""
     from torch.nn.attention import SDPBackend
 
-    from ppqa.engine.attention import triton_backend
+    from ppqa.engine.attention import fused_chunks
 
-    monkeypatch.setattr(triton_backend, "_CAUSAL_FLASH_LOSS", {})
+    monkeypatch.setattr(fused_chunks, "_CAUSAL_FLASH_LOSS", {})
     if plan_seconds is not None:
-        monkeypatch.setattr(triton_backend, "CUDNN_PLAN_SECONDS", plan_seconds)
+        monkeypatch.setattr(fused_chunks, "CUDNN_PLAN_SECONDS", plan_seconds)
     tokens = 1000  # class 1,024: cuDNN's padding costs less than its rate gains
     eng = Engine(f"dummy:{model}", device="cuda", dtype="bfloat16",
                  config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=tokens))
@@ -142,7 +142,7 @@ def test_a_later_chunk_through_cudnn_matches_the_extend_kernel(model):
 
 def test_cudnn_attention_with_its_lse_merges_to_causal_attention_under_gqa():
     # Qwen2.5-7B's heads: 28 query heads sharing 4 KV heads of 128.
-    from ppqa.engine.attention.triton_backend import _cudnn_attention, _heads_first
+    from ppqa.engine.attention.fused_chunks import cudnn_attention, heads_first
     from ppqa.kernels.merge import merge_attention_states
 
     torch.manual_seed(0)
@@ -152,10 +152,10 @@ def test_cudnn_attention_with_its_lse_merges_to_causal_attention_under_gqa():
     v = torch.randn(prior + t, hk, d, device="cuda", dtype=torch.bfloat16)
     qh = q[prior:].unsqueeze(0).transpose(1, 2)
     scale = d ** -0.5
-    o_a, lse_a = _cudnn_attention(qh, _heads_first(k[:prior], h // hk), _heads_first(v[:prior], h // hk),
-                                  causal=False, scale=scale)
-    o_b, lse_b = _cudnn_attention(qh, _heads_first(k[prior:], h // hk), _heads_first(v[prior:], h // hk),
-                                  causal=True, scale=scale)
+    o_a, lse_a = cudnn_attention(qh, heads_first(k[:prior], h // hk), heads_first(v[:prior], h // hk),
+                                 causal=False, scale=scale)
+    o_b, lse_b = cudnn_attention(qh, heads_first(k[prior:], h // hk), heads_first(v[prior:], h // hk),
+                                 causal=True, scale=scale)
     assert lse_a.shape == (t, h) and lse_a.dtype == torch.float32
     # lse is the natural log of the sum of exp(scaled scores) over the keys seen.
     scores = torch.einsum("thd,shd->ths", q[prior:].float(),
@@ -172,7 +172,7 @@ def test_cudnn_attention_with_its_lse_merges_to_causal_attention_under_gqa():
 def test_chunk_attention_through_cudnn_after_a_short_and_a_long_prior(prior):
     """A chunk after a short prior (a template's opening copied from a cached document) runs as
     one causal call over both; after a long one, as two parts merged: both give causal attention."""
-    from ppqa.engine.attention.triton_backend import chunk_attention
+    from ppqa.engine.attention.fused_chunks import chunk_attention
 
     torch.manual_seed(prior)
     t, h, hk, d = 1000, 28, 4, 128

@@ -1,5 +1,5 @@
 """A document's later prefill chunk as two attentions merged by their log-sum-exp
-(`triton_backend.chunk_attention`): the chunk against the earlier tokens, every key visible,
+(`fused_chunks.chunk_attention`): the chunk against the earlier tokens, every key visible,
 and against itself, causal, its rows padded to a multiple of CHUNK_ROWS; after a short prior
 (at most CHUNK_ROWS tokens), one causal call over prior and chunk together. On a GPU the two
 parts are cuDNN's (tests/gpu/test_fused_causal.py); cuDNN cannot run here, so the parts come
@@ -10,7 +10,7 @@ import pytest
 import torch
 from checks import DEVICE
 
-from ppqa.engine.attention.triton_backend import CHUNK_ROWS, chunk_attention
+from ppqa.engine.attention.fused_chunks import CHUNK_ROWS, chunk_attention
 
 
 def reference_attend(calls):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from checks import DEVICE, HEADS, ON_GPU
 
-from ppqa.engine.attention import triton_backend
+from ppqa.engine.attention import fused_chunks, triton_backend
 from ppqa.engine.attention.triton_backend import TritonBackend
 from ppqa.engine.runtime.kv_cache import KVPool
 
@@ -21,13 +21,13 @@ def test_the_warmup_calls_cudnn_in_each_kind_a_prefill_meets(heads, monkeypatch)
     pool = KVPool(64, 1, kv_heads, dim, dtype=DTYPE, device=DEVICE)
     backend = TritonBackend(pool, num_heads, kv_heads, dim, dim ** -0.5, scratch_bytes=1 << 20)
     met = []
-    real = triton_backend._cudnn_attention
+    real = fused_chunks.cudnn_attention
 
     def recorded(q, k, v, *, causal, scale):
         met.append((causal, q.shape[1], q.shape[2], k.shape[2]))
         return real(q, k, v, causal=causal, scale=scale)
 
-    monkeypatch.setattr(triton_backend, "_cudnn_attention", recorded)
+    monkeypatch.setattr(fused_chunks, "cudnn_attention", recorded)
     calls = backend.warm_cudnn_kernels()
     if not ON_GPU:  # fp32 on the CPU: cuDNN takes no such tensors, nothing to build
         assert calls == 0 and met == []
@@ -49,6 +49,6 @@ def test_a_warmup_goes_on_where_cudnn_refuses_the_shapes(monkeypatch):
     def refuse(q, k, v, *, causal, scale):
         raise RuntimeError("cuDNN: no engine for these shapes")
 
-    monkeypatch.setattr(triton_backend, "_fusable", lambda q: True)
-    monkeypatch.setattr(triton_backend, "_cudnn_attention", refuse)
+    monkeypatch.setattr(triton_backend, "fusable", lambda q: True)
+    monkeypatch.setattr(fused_chunks, "cudnn_attention", refuse)
     assert backend.warm_cudnn_kernels() == 0
