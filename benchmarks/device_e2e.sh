@@ -138,6 +138,10 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     loogle) e2e loogle 170 --max-docs 8 ;;
     loogle2) e2e loogle 280 --max-docs 8 --passes 2 ;;  # a second pass in the other order: both warm
     quality2) e2e quality 200 --max-docs 20 --passes 2 ;;
+    qualitycascade)  # `quality` with cascade forced against stock (auto chooses stock per
+      # document, alone; its 256-request steps hold ~14 documents, whose cascade layer floor
+      # they would share): does cascade's decode step gain what it costs in question prefill?
+      TAG=quality_cascade e2e quality 260 --max-docs 20 --passes 2 --modes stock,cascade ;;
     bench16k)  # the engine alone: the paper grid's 16k/256 cell, cached document
       step bench16k 200 python3 -m ppqa bench --model dummy:codellama-7b --doc-tokens 16384 \
         --questions 256 --max-new-tokens 128 --seeds 0 --streams 64 --modes stock,cascade,auto \
