@@ -8,8 +8,8 @@ import pytest
 
 from ppqa.store.errors import InputError
 from ppqa.templates import list_templates
-from ppqa.files.inputs import (read_batch, read_document, read_questions,
-                               resolve_template)
+from ppqa.files.batch_file import read_batch
+from ppqa.files.inputs import read_document, read_questions, resolve_template
 
 
 def write(tmp_path, name, content):

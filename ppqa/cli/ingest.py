@@ -13,8 +13,9 @@ import typer
 from ppqa.cli.common import JsonOption, open_store, print_json, say
 from ppqa.store.errors import InputError
 from ppqa.choices import CHOICE_NORMS
-from ppqa.files.inputs import (MAX_INPUT_BYTES, parse_choices, read_batch, read_document,
-                               read_json_schema, read_questions, read_template, with_choices)
+from ppqa.files.batch_file import read_batch
+from ppqa.files.inputs import (MAX_INPUT_BYTES, parse_choices, read_document, read_json_schema,
+                               read_questions, read_template, with_choices)
 from ppqa.modes import MODES
 from ppqa.store.params import GenerationParams
 from ppqa.templates import list_templates

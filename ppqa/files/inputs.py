@@ -1,4 +1,5 @@
-"""Reading what users ingest: a document file, a questions file, a batch file, a template path.
+"""Reading what users ingest: a document file, a questions file, a template path, a JSON schema
+(a batch file: ppqa/files/batch_file.py, from the same pieces).
 
 Every check happens here, before the store is opened, so that bad input changes nothing. Each
 problem raises `InputError` with one line naming the file and, where there is one, the line
@@ -89,7 +90,7 @@ def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_INPUT_B
         except OSError as exc:
             raise InputError(f"{label}: cannot read it ({exc.strerror})")
     if len(data) > max_bytes:
-        raise InputError(f"{label}: the {what} is longer than the limit of {_size(max_bytes)} "
+        raise InputError(f"{label}: the {what} is longer than the limit of {size_text(max_bytes)} "
                          "(raise it with --max-input-mb)")
     nul = data.find(b"\x00")
     if nul >= 0:
@@ -104,7 +105,8 @@ def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_INPUT_B
     return text.removeprefix("\ufeff")  # a BOM is an encoding mark, not content
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """A byte count as users read it: MiB from one MiB up."""
     return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
@@ -166,7 +168,7 @@ def with_choices(questions: list[QuestionInput], choices: tuple[str, ...]) -> li
             QuestionInput(q.custom_id, q.text, q.where, choices) for q in questions]
 
 
-def _json_lines(text: str, label: str):
+def json_lines(text: str, label: str):
     """(where, value) for each non-blank line of a JSONL text; bad JSON names its line.
     Strict JSON: Python's NaN and Infinity, numbers too large for a float and strings holding
     lone surrogates (which no UTF-8 store can keep) are refused."""
@@ -177,7 +179,7 @@ def _json_lines(text: str, label: str):
 
 
 def strict_json(line: str):
-    """`json.loads`, refusing what is not JSON or not text (see `_json_lines`): ValueError."""
+    """`json.loads`, refusing what is not JSON or not text (see `json_lines`): ValueError."""
     value = json.loads(line, parse_constant=_not_json, parse_float=_finite_float)
     _check_strings(value)
     return value
@@ -213,7 +215,7 @@ def _check_strings(value) -> None:
 
 def _parse_jsonl(text: str, label: str) -> list[QuestionInput]:
     out: list[QuestionInput] = []
-    for where, obj in _json_lines(text, label):
+    for where, obj in json_lines(text, label):
         out.append(question_from_obj(obj, len(out), where))
     return out
 
@@ -324,79 +326,6 @@ def read_json_schema(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> dict
     except ValueError as exc:
         raise InputError(f"{label}: {exc}") from None
     return schema
-
-
-PARAM_KEYS = ("template", "max_new_tokens", "temperature", "top_p", "seed", "mode", "model",
-              "priority", "choice_norm", "samples",
-              "json_schema")  # a JSON schema object: the answers are JSON that follows it
-
-
-@dataclass
-class BatchItem:
-    """One line of a batch file: a document, its questions and per-line option overrides."""
-
-    document_text: str
-    name: str
-    questions: list[QuestionInput]
-    overrides: dict
-    where: str
-
-
-def read_batch(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> list[BatchItem]:
-    """Parse a batch `.jsonl`: one `{"document"|"document_path", "questions", ...}` a line.
-
-    `document_path` is relative to the batch file's folder; `name` defaults to `id`, then to the
-    document file's name; any of PARAM_KEYS overrides the command-line option for that line;
-    `choices` (a list of labels) goes to every question of the line that has none of its own.
-    """
-    text = read_text(path, "batch file", max_bytes)
-    label = "<stdin>" if str(path) == "-" else str(path)
-    base = Path.cwd() if str(path) == "-" else Path(path).resolve().parent
-    allowed = {"document", "document_path", "questions", "name", "id", "choices", *PARAM_KEYS}
-    items = []
-    for where, obj in _json_lines(text, label):
-        if not isinstance(obj, dict):
-            raise InputError(f"{where}: expected a JSON object with 'document' and 'questions'")
-        unknown = sorted(set(obj) - allowed)
-        if unknown:
-            raise InputError(f"{where}: unknown key {unknown[0]!r} "
-                             f"(allowed: {', '.join(sorted(allowed))})")
-        if ("document" in obj) == ("document_path" in obj):
-            raise InputError(f"{where}: give exactly one of 'document' and 'document_path'")
-        if "document" in obj:
-            doc = obj["document"]
-            if not isinstance(doc, str) or not doc.strip():
-                raise InputError(f"{where}: 'document' must be a non-empty string")
-            if len(doc.encode("utf-8")) > max_bytes:
-                raise InputError(f"{where}: the document is longer than the limit of "
-                                 f"{_size(max_bytes)} (raise it with --max-input-mb)")
-            default_name = f"{Path(label).stem}-{where.rsplit(':', 1)[1]}"
-        else:
-            if not isinstance(obj["document_path"], str) or not obj["document_path"].strip():
-                raise InputError(f"{where}: 'document_path' must be a non-empty string (a path "
-                                 f"relative to the batch file), got {obj['document_path']!r}")
-            doc_path = base / obj["document_path"]
-            try:
-                doc, default_name = read_document(doc_path, max_bytes)
-            except InputError as exc:
-                raise InputError(f"{where}: {exc}")
-        raw_questions = obj.get("questions")
-        if not isinstance(raw_questions, list):
-            raise InputError(f"{where}: 'questions' must be a list of strings or objects")
-        questions = [question_from_obj(q, i, f"{where} question {i + 1}")
-                     for i, q in enumerate(raw_questions)]
-        if "choices" in obj:
-            shared = obj["choices"]
-            if not isinstance(shared, list) or not all(isinstance(c, str) for c in shared):
-                raise InputError(f"{where}: 'choices' must be a list of strings")
-            questions = with_choices(questions, tuple(c.strip() for c in shared))
-        check_questions(questions, where)
-        name = obj.get("name") or obj.get("id") or default_name
-        overrides = {k: obj[k] for k in PARAM_KEYS if k in obj}
-        items.append(BatchItem(doc, str(name), questions, overrides, where))
-    if not items:
-        raise InputError(f"{label}: no documents found")
-    return items
 
 
 def _parse_json(text: str, label: str, lineno: int | None = None):
