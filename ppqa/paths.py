@@ -1,6 +1,7 @@
 """ppqa's home folder, defined once: `$PPQA_HOME`, else the platform's user data folder.
 
-The default store (`ppqa.db`) and the model cache (`models/`) live under it.
+The default store (`ppqa.db`), the model cache (`models/`) and the tokenizers saved from GGUF
+files (`tokenizers/`, engine/loading/gguf.py) live under it.
 """
 
 from __future__ import annotations

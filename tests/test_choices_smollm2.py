@@ -37,9 +37,18 @@ def engine(smollm2_gguf):
     return Engine(str(smollm2_gguf), device="cpu")
 
 
-def reference_ids(engine, template: str, question: str, choices) -> tuple[list[int], list[str]]:
+@pytest.fixture(scope="module")
+def hf(smollm2_gguf):
+    """transformers' own tokenizer from the GGUF's metadata (the engine reads the copy ppqa
+    saved from it, engine/loading/gguf.py)."""
+    from ppqa.engine.loading.gguf import _hf_tokenizer
+
+    real = smollm2_gguf.resolve()
+    return _hf_tokenizer(str(real), real.stat().st_mtime_ns)
+
+
+def reference_ids(hf, template: str, question: str, choices) -> tuple[list[int], list[str]]:
     """The prompt's ids from transformers' chat template and tokenizer, and each choice's text."""
-    hf = engine.tokenizer.hf
     tmpl = load_template(template)
     context = {"document": DOCUMENT, "chat": True, "question": question, "index": 0,
                "choices": list(choices), "letters": choice_letters(len(choices))}
@@ -51,10 +60,9 @@ def reference_ids(engine, template: str, question: str, choices) -> tuple[list[i
 
 
 @pytest.mark.parametrize("template,question,choices,right", CASES)
-def test_choice_logprobs_match_transformers(engine, hf_smollm2, template, question, choices,
+def test_choice_logprobs_match_transformers(engine, hf, hf_smollm2, template, question, choices,
                                             right):
-    hf = engine.tokenizer.hf
-    conversation, texts = reference_ids(engine, template, question, choices)
+    conversation, texts = reference_ids(hf, template, question, choices)
     want = []
     for text in texts:
         prompt_ids = hf.encode(conversation, add_special_tokens=False)
@@ -75,12 +83,11 @@ def test_choice_logprobs_match_transformers(engine, hf_smollm2, template, questi
     assert answer.choice == right  # even a 135M model reads these off the document
 
 
-def test_choice_tokens_when_the_tokenizer_merges_across_the_prompt(engine, tmp_path):
+def test_choice_tokens_when_the_tokenizer_merges_across_the_prompt(engine, hf, tmp_path):
     """A prompt that ends in a space: joined, " yes" becomes one token and the prompt's last
     token changes; the choice is then tokenized alone and the prompt's tokens stay as they are
     (module doc of engine/loading/tokenizer.py). Without the space the choice's tokens are the
     joined text's tail."""
-    hf = engine.tokenizer.hf
     for ending, merges in ((" ", True), ("", False)):
         path = tmp_path / f"t{len(ending)}.jinja"
         path.write_text("{% block prefix %}{{ document }}{% endblock %}{% block question %}"

@@ -1,4 +1,5 @@
-"""GGUF loading: every supported quant type, the q/k un-permutation, metadata, bad files.
+"""GGUF loading: every supported quant type, the q/k un-permutation, metadata, bad files; the
+header reader against the `gguf` package's; the tokenizer saved once and read back after.
 
 Each test writes a tiny Llama GGUF with the `gguf` package's own writer (and quantizer), loads it
 with our loader, and compares with the original float weights and with transformers' GGUF loader,
@@ -7,6 +8,8 @@ an implementation no one here wrote.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import gguf
@@ -70,7 +73,7 @@ def gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, qtype, weights: dict[str, np.ndarray], arch: str = "llama",
-                    rope_freqs: np.ndarray | None = None) -> Path:
+                    rope_freqs: np.ndarray | None = None, eot: int | None = None) -> Path:
     vocab = _vocab()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -87,6 +90,8 @@ def write_tiny_gguf(path: Path, qtype, weights: dict[str, np.ndarray], arch: str
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     w.add_chat_template(CHAT)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
@@ -155,7 +160,14 @@ def test_config_and_tokenizer_from_metadata(tmp_path):
     assert tok.decode(tok.encode("the hello")) == "the hello"
     assert _vocab().index("Ġthe") in tok.encode("so the")  # merges from the file are used
     prompt = tok.prompt("qa", "Some text.", ["Why?"])
-    assert tok.hf.decode(prompt.prefix_ids).startswith("<|im_start|>user\n")
+    assert transformers_tokenizer(path).decode(prompt.prefix_ids).startswith("<|im_start|>user\n")
+
+
+def transformers_tokenizer(path: Path):
+    """transformers' own tokenizer from the GGUF's metadata (the one the loader saves)."""
+    from ppqa.engine.loading.gguf import _hf_tokenizer
+
+    return _hf_tokenizer(str(path.resolve()), path.stat().st_mtime_ns)
 
 
 def test_tied_embeddings_when_output_is_absent(tmp_path):
@@ -217,3 +229,99 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
                            rope_freqs=divisors[::-1].copy())
     with pytest.raises(ModelLoadError, match="not Llama 3's scaling"):
         load_model(str(path))
+
+
+def _reader_view(path: Path):
+    """The `gguf` package's reading of the file: (fields, tensors) in plain values."""
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = [(t.name, t.shape.tolist(), t.tensor_type, t.data) for t in reader.tensors]
+    return fields, tensors
+
+
+def _assert_reads_as_gguf_does(path: Path) -> None:
+    from ppqa.engine.loading.gguf_file import GGUFFile
+
+    ours, (fields, tensors) = GGUFFile(str(path)), _reader_view(path)
+    assert ours.fields.keys() == fields.keys()
+    for key, want in fields.items():
+        got = ours.fields[key]
+        assert (got.tolist() if isinstance(got, np.ndarray) else got) == want, key
+    assert [(t.name, t.shape.tolist(), t.tensor_type) for t in ours.tensors] == \
+        [(name, shape, kind) for name, shape, kind, _ in tensors]
+    for t, (name, _, _, data) in zip(ours.tensors, tensors):
+        assert t.data.dtype == data.dtype and t.data.shape == data.shape, name
+        assert np.array_equal(t.data, data, equal_nan=True), name
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_1], ids=lambda q: q.name)
+def test_the_header_reader_reads_what_the_gguf_package_reads(tmp_path, qtype):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype, original_weights(len(_vocab())),
+                           rope_freqs=np.linspace(1, 8, HEAD_DIM // 2), eot=2)
+    _assert_reads_as_gguf_does(path)
+
+
+def test_the_header_reader_reads_smollm2_as_the_gguf_package_does(smollm2_gguf):
+    _assert_reads_as_gguf_does(smollm2_gguf)
+
+
+def test_a_truncated_header_or_another_version_is_refused(tmp_path):
+    data = write_tiny_gguf(tmp_path / "good.gguf", Q.F32, original_weights(len(_vocab()))).read_bytes()
+    (tmp_path / "short.gguf").write_bytes(data[:300])
+    with pytest.raises(ModelLoadError, match="short.gguf.* not a readable GGUF file.*truncated"):
+        load_model(str(tmp_path / "short.gguf"))
+    (tmp_path / "v9.gguf").write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
+    with pytest.raises(ModelLoadError, match="format version 9 is not supported"):
+        load_model(str(tmp_path / "v9.gguf"))
+
+
+def test_the_tokenizer_is_saved_once_and_read_back_without_transformers(tmp_path, ppqa_home,
+                                                                         monkeypatch):
+    """The first load builds the tokenizer with transformers and saves it under
+    $PPQA_HOME/tokenizers; later loads read that copy, which tokenizes, decodes, renders chats
+    and ends answers as transformers' does (the GGUF's end-of-turn id among its EOS ids)."""
+    from ppqa.engine.loading import gguf as gguf_loading
+    from ppqa.engine.loading.json_tokenizer import JsonTokenizer
+    from ppqa.engine.loading.tokenizer import HFTokenizer
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", Q.F32, original_weights(len(_vocab())), eot=1)
+    first = load_model(str(path)).tokenizer
+    (saved,) = (ppqa_home / "tokenizers").iterdir()
+    assert saved == gguf_loading.saved_tokenizer_dir(path) and isinstance(first, JsonTokenizer)
+    reference = HFTokenizer(transformers_tokenizer(path), extra_eos_ids=[1])
+
+    def no_transformers(*args):
+        raise AssertionError("the saved tokenizer was not used")
+
+    monkeypatch.setattr(gguf_loading, "_hf_tokenizer", no_transformers)
+    again = load_model(str(path)).tokenizer
+    assert isinstance(again, JsonTokenizer) and again.eos_token_ids == [1, 2]
+    chat = [{"role": "user", "content": "so the hello"}]
+    for tok in (first, again):
+        assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos, tok.vocab_size) == \
+            (reference.bos_token_id, reference.eos_token_ids, reference.add_bos,
+             reference.vocab_size)
+        for text in ("the hello", "<|im_start|>so the\n\n  he<|im_end|>", "h e t"):
+            assert tok.encode(text) == reference.encode(text)
+            assert tok.decode(tok.encode(text)) == reference.decode(reference.encode(text))
+        assert tok.render_messages(chat) == reference.render_messages(chat)
+        assert tok.prompt("qa", "Some text.", ["Why?"]).ids(0) == \
+            reference.prompt("qa", "Some text.", ["Why?"]).ids(0)
+
+
+def test_a_changed_file_or_a_damaged_copy_builds_the_tokenizer_again(tmp_path, ppqa_home):
+    from ppqa.engine.loading.gguf import saved_tokenizer_dir
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", Q.F32, original_weights(len(_vocab())))
+    load_model(str(path))
+    before = saved_tokenizer_dir(path)
+    (before / "tokenizer.json").write_text("{ not json")
+    assert load_model(str(path)).tokenizer.encode("the hello") == \
+        transformers_tokenizer(path).encode("the hello", add_special_tokens=False)
+    assert json.loads((before / "tokenizer.json").read_text())  # saved again, whole
+    write_tiny_gguf(path, Q.F32, original_weights(len(_vocab())), eot=1)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert saved_tokenizer_dir(path) != before
+    assert load_model(str(path)).tokenizer.eos_token_ids == [1, 2]
+    assert sorted(p.name for p in (ppqa_home / "tokenizers").iterdir()) == \
+        sorted([before.name, saved_tokenizer_dir(path).name])

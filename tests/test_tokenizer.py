@@ -59,23 +59,31 @@ def test_unknown_template_names_the_available_ones():
         assert name in str(err.value)
 
 
+def transformers_tokenizer(path):
+    """transformers' own tokenizer from the GGUF's metadata: the reference (ppqa loads the copy
+    it saved from it, engine/loading/gguf.py)."""
+    from ppqa.engine.loading.gguf import _hf_tokenizer
+
+    return _hf_tokenizer(str(path.resolve()), path.resolve().stat().st_mtime_ns)
+
+
 def test_smollm2_prompt_wraps_in_chat_template(smollm2):
     from ppqa.engine.loading.loader import load_model
 
-    tok = load_model("smollm2").tokenizer
+    tok, hf = load_model("smollm2").tokenizer, transformers_tokenizer(smollm2)
     prompt = tok.prompt("qa", DOC, QUESTIONS)
-    prefix = tok.hf.decode(prompt.prefix_ids)
+    prefix = hf.decode(prompt.prefix_ids)
     assert prefix.startswith("<|im_start|>system\n") and "<|im_start|>user\n" in prefix
     assert prefix.endswith(DOC)
     for q, suffix in zip(QUESTIONS, prompt.suffix_ids):
-        assert tok.hf.decode(suffix) == f"\n\nQuestion: {q}<|im_end|>\n<|im_start|>assistant\n"
+        assert hf.decode(suffix) == f"\n\nQuestion: {q}<|im_end|>\n<|im_start|>assistant\n"
         assert tok.eos_token_ids[0] in suffix  # <|im_end|> closes the user turn
     # The split is a token boundary: prefix + suffix equals transformers' own tokenization of the
     # whole conversation (rendered by its apply_chat_template).
     for i, q in enumerate(QUESTIONS):
         content = tok.decode(prompt.prefix_ids).split("user\n", 1)[1] + f"\n\nQuestion: {q}"
-        reference = tok.hf.apply_chat_template([{"role": "user", "content": content}],
-                                               tokenize=True, add_generation_prompt=True)
+        reference = hf.apply_chat_template([{"role": "user", "content": content}],
+                                           tokenize=True, add_generation_prompt=True)
         if isinstance(reference, dict) or hasattr(reference, "keys"):
             reference = reference["input_ids"]
         assert prompt.ids(i) == list(reference)
@@ -86,17 +94,17 @@ def test_smollm2_prompt_wraps_in_chat_template(smollm2):
 def test_smollm2_decode_skips_specials_and_eos_is_im_end(smollm2):
     from ppqa.engine.loading.loader import load_model
 
-    tok = load_model("smollm2").tokenizer
+    tok, hf = load_model("smollm2").tokenizer, transformers_tokenizer(smollm2)
     ids = tok.encode("<|im_start|>Hello world<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2  # special strings in text map to their ids
     assert tok.decode(ids) == "Hello world"
-    assert tok.eos_token_ids == [2] and tok.hf.convert_ids_to_tokens(2) == "<|im_end|>"
+    assert tok.eos_token_ids == [2] and hf.convert_ids_to_tokens(2) == "<|im_end|>"
 
 
 def test_smollm2_decode_of_a_cut_character_drops_it(smollm2):
     from ppqa.engine.loading.loader import load_model
 
-    tok = load_model("smollm2").tokenizer
+    tok, hf = load_model("smollm2").tokenizer, transformers_tokenizer(smollm2)
     text = "Ok \U0001d518\u4e2d\u6587 done"  # a 4-byte and two 3-byte characters
     ids = tok.encode(text)
     cuts = [tok.decode(ids[:k]) for k in range(1, len(ids) + 1)]
@@ -105,7 +113,7 @@ def test_smollm2_decode_of_a_cut_character_drops_it(smollm2):
     assert all(text.startswith(c) and "\ufffd" not in c for c in cuts), cuts
     assert len(set(cuts)) < len(cuts)  # the premise: some cut fell inside a character
     # The bound the engine uses to refuse a too-long document before tokenizing it.
-    assert max(len(tok.hf.decode([i]).encode()) for i in ids) <= tok.max_token_bytes < 200
+    assert max(len(hf.decode([i]).encode()) for i in ids) <= tok.max_token_bytes < 200
 
 
 def test_common_opening_joins_the_prefix_and_keeps_each_prompt() -> None:

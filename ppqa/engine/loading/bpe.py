@@ -14,9 +14,6 @@ alone (json_tokenizer.py) in ~0.1 s, without `gguf` or `transformers`.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ppqa.engine.loading.types import ModelLoadError
@@ -37,7 +34,7 @@ def bpe_tokenizer(root: Path | None = None):
     else built from the GGUF by `transformers`, saved, and read back from the folder."""
     from ppqa.engine.loading.tokenizer import HFTokenizer
 
-    from ppqa.engine.loading.json_tokenizer import JsonTokenizer
+    from ppqa.engine.loading.json_tokenizer import JsonTokenizer, save_checked
 
     saved = tokenizer_dir(root)
     if (saved / "tokenizer.json").is_file():
@@ -47,8 +44,7 @@ def bpe_tokenizer(root: Path | None = None):
             raise ModelLoadError(f"cannot load the saved {BPE_MODEL} tokenizer in {saved} "
                                  f"(delete the folder to rebuild it): {type(e).__name__}: {e}") from e
     hf = _build_from_gguf(saved, root)
-    _save(hf, saved)
-    return JsonTokenizer(saved) if (saved / "tokenizer.json").is_file() else HFTokenizer(hf)
+    return JsonTokenizer(saved) if save_checked(hf, saved) else HFTokenizer(hf)
 
 
 def transformers_tokenizer(root: Path | None = None):
@@ -79,32 +75,3 @@ def _build_from_gguf(saved: Path, root: Path | None):
                              f"package (pip install gguf), or copy a saved {saved.name} folder "
                              f"into {saved.parent}") from e
     return _hf_tokenizer(str(path.resolve()), path.resolve().stat().st_mtime_ns)
-
-
-# Text whose tokens tell tokenizers apart: blank lines, runs of spaces, digits, accents, CJK.
-_PROBE = "Read the document.\n\nDocument:\n  Caf\u00e9 2024 -- 12,345 \u6771\u4eac\tend.\n\n\nQ: why?"
-
-
-def _save(hf, saved: Path) -> None:
-    """Save `hf` as `saved` if the saved copy, read back as later loads read it (a
-    JsonTokenizer), tokenizes the probe and renders a chat as `hf` does (else keep none: every
-    load then builds from the GGUF, slowly but right)."""
-    from ppqa.engine.loading.json_tokenizer import JsonTokenizer
-
-    tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
-    try:
-        hf.save_pretrained(str(tmp))
-        again = JsonTokenizer(tmp)
-        chat = [{"role": "user", "content": _PROBE}]
-        if again.encode(_PROBE) != hf.encode(_PROBE, add_special_tokens=False) \
-                or again.chat_template != hf.chat_template or again.vocab_size != len(hf) \
-                or (hf.chat_template and again.render_messages(chat) != hf.apply_chat_template(
-                    chat, tokenize=False, add_generation_prompt=True)):
-            return
-        try:
-            os.replace(tmp, saved)  # atomic: a concurrent builder's folder wins, equal anyway
-        except OSError:
-            if not (saved / "tokenizer.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,18 +1,22 @@
 """GGUF files: metadata -> ModelConfig, tensors -> HF-named torch weights, vocabulary -> tokenizer.
 
-Reads with the `gguf` package (memory-mapped; imported here only, never by the GPU-side modules).
+Reads the header with `GGUFFile` (gguf_file.py; the tensors memory-mapped) and dequantizes with the
+`gguf` package (imported by these two modules only, never by the GPU-side ones).
 Each tensor is dequantized when the weight iterator reaches it (F32/F16/BF16/Q8_0/Q4_0/Q4_1 and
 every other type `gguf.quants` knows) and converted straight to the requested dtype and device.
 llama.cpp's converter permutes the rows of attn_q/attn_k of `llama` models so that rotary pairs are
 adjacent (its "normal" rope); `unpermute_rope_rows` restores Hugging Face's half-split layout.
 Qwen2 files use the NEOX rope layout and are stored unpermuted.
 The tokenizer is built by `transformers` from the same file (it reads tokens, merges, pre-tokenizer
-and chat template from the metadata), cached per file for the life of the process.
+and chat template from the metadata) once, then saved under `$PPQA_HOME/tokenizers/` and read back
+by later processes without `transformers` (`gguf_tokenizer`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+import shutil
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppqa.engine.loading.gguf_file import GGUFFile
 from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 from ppqa.engine.model.config import ModelConfig
 
@@ -66,18 +71,14 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
 @lru_cache(maxsize=4)
-def _open(path: str, mtime_ns: int) -> Any:
-    import gguf
-
-    return gguf.GGUFReader(path)
+def _open(path: str, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def _reader(path: Path) -> Any:
@@ -220,10 +221,35 @@ def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loaded
 
 
 def gguf_tokenizer(path: Path, extra_eos_ids: list[int]) -> Any:
+    """The file's tokenizer: the copy saved by an earlier process (`saved_tokenizer_dir`) as a
+    `JsonTokenizer` (~0.1 s), else built by `transformers` from the metadata (seconds: it
+    rebuilds the vocabulary in Python, after a parse of its own), saved where the copy
+    checks out (`json_tokenizer.save_checked`), and returned."""
+    from ppqa.engine.loading.json_tokenizer import JsonTokenizer, save_checked
     from ppqa.engine.loading.tokenizer import HFTokenizer
 
+    saved = saved_tokenizer_dir(path)
+    if (saved / "tokenizer.json").is_file():
+        try:
+            return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
+        except Exception:  # noqa: BLE001 -- a damaged copy: build it again below
+            shutil.rmtree(saved, ignore_errors=True)
     hf = _hf_tokenizer(str(path.resolve()), path.stat().st_mtime_ns)
+    if save_checked(hf, saved):
+        return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
     return HFTokenizer(hf, extra_eos_ids=extra_eos_ids)
+
+
+def saved_tokenizer_dir(path: Path) -> Path:
+    """Where the tokenizer of the GGUF file at `path` is saved: `$PPQA_HOME/tokenizers/`, named
+    after the file and keyed by its real path, size and modification time, so that a file
+    replaced or changed gets a tokenizer of its own."""
+    from ppqa.paths import ppqa_home
+
+    real = path.resolve()
+    stat = real.stat()
+    key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    return ppqa_home() / "tokenizers" / f"{real.stem}-{key[:16]}"
 
 
 @lru_cache(maxsize=2)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ppqa.engine.loading.tokenizer import Tokenizer, drop_cut_character
+from ppqa.engine.loading.tokenizer import HFTokenizer, Tokenizer, drop_cut_character
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 # What transformers' clean_up_tokenization removes: spaces before punctuation and contractions.
@@ -27,11 +29,12 @@ _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (
 
 
 class JsonTokenizer(Tokenizer):
-    """The tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json)."""
+    """The tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json); `extra_eos_ids`
+    end answers as well as its EOS token (a GGUF's end-of-turn ids, as `HFTokenizer` takes)."""
 
     tokenizes_off_thread = True  # `encode_batch` releases the GIL while it works
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, *, extra_eos_ids: Sequence[int] = ()) -> None:
         import tokenizers
 
         self.folder = Path(folder)
@@ -42,7 +45,7 @@ class JsonTokenizer(Tokenizer):
                                for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.bos_token_id = self._id(self.special_tokens["bos_token"])
         eos = self._id(self.special_tokens["eos_token"])
-        self.eos_token_ids = [] if eos is None else [eos]
+        self.eos_token_ids = sorted(({eos} - {None}) | {int(i) for i in extra_eos_ids})
         template_file = self.folder / "chat_template.jinja"
         self.chat_template = (template_file.read_text() if template_file.is_file()
                               else config.get("chat_template")) or None
@@ -95,6 +98,43 @@ class JsonTokenizer(Tokenizer):
         for name in FILES:
             if (self.folder / name).is_file():
                 shutil.copyfile(self.folder / name, Path(folder) / name)
+
+
+# Text whose tokens tell tokenizers apart: blank lines, runs of spaces, digits, accents, CJK.
+_PROBE = "Read the document.\n\nDocument:\n  Caf\u00e9 2024 -- 12,345 \u6771\u4eac\tend.\n\n\nQ: why?"
+
+
+def save_checked(hf, folder: Path) -> bool:
+    """Save the `transformers` tokenizer `hf` as `folder` for later loads to read as a
+    JsonTokenizer, if that copy, read back, tokenizes the probe, renders a chat and names its
+    special tokens as `hf` does; True if `folder` holds a saved tokenizer afterwards. Where the
+    copy differs, or the folder's parent cannot be written, nothing is kept (every load then
+    builds from the source, slowly but right). Concurrent savers of one folder are safe: each
+    writes its own and the first rename wins."""
+    chat = [{"role": "user", "content": _PROBE}]
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    except OSError:
+        return False
+    try:
+        hf.save_pretrained(str(tmp))
+        again, before = JsonTokenizer(tmp), HFTokenizer(hf)
+        if again.encode(_PROBE) != before.encode(_PROBE) \
+                or again.chat_template != before.chat_template \
+                or again.vocab_size != before.vocab_size \
+                or (again.bos_token_id, again.eos_token_ids, again.add_bos) \
+                != (before.bos_token_id, before.eos_token_ids, before.add_bos) \
+                or (before.chat_template and again.render_messages(chat)
+                    != before.render_messages(chat)):
+            return False
+        try:
+            os.replace(tmp, folder)  # atomic: a concurrent builder's folder wins, equal anyway
+        except OSError:
+            pass
+        return (folder / "tokenizer.json").is_file()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _content(token) -> str | None:
