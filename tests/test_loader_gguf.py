@@ -325,3 +325,27 @@ def test_a_changed_file_or_a_damaged_copy_builds_the_tokenizer_again(tmp_path, p
     assert load_model(str(path)).tokenizer.eos_token_ids == [1, 2]
     assert sorted(p.name for p in (ppqa_home / "tokenizers").iterdir()) == \
         sorted([before.name, saved_tokenizer_dir(path).name])
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1],
+                         ids=lambda q: q.name)
+def test_torch_dequantizes_to_the_same_bits_as_the_gguf_package(qtype):
+    from ppqa.engine.loading import gguf_quants
+
+    rng = np.random.default_rng(3)
+    weights = (rng.standard_normal((48, 256)) * np.exp(rng.standard_normal((48, 1)))).astype(np.float32)
+    weights[0, :32] = 0.0  # a block of zeros: scale 0
+    data = weights if qtype == Q.F32 else (weights.astype(np.float16) if qtype == Q.F16
+                                            else gguf.quants.quantize(weights, qtype))
+    got = gguf_quants.dequantize(data, qtype, weights.shape, torch.device("cpu"))
+    want = gguf.quants.dequantize(data, qtype).reshape(weights.shape)
+    assert got.dtype == torch.float32 and got.shape == weights.shape
+    assert np.array_equal(got.numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+def test_other_types_are_left_to_the_gguf_package():
+    from ppqa.engine.loading import gguf_quants
+
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q4_K][1]
+    assert gguf_quants.dequantize(np.zeros(block_bytes, np.uint8), Q.Q4_K, (256,),
+                                  torch.device("cpu")) is None

@@ -1,9 +1,10 @@
 """GGUF files: metadata -> ModelConfig, tensors -> HF-named torch weights, vocabulary -> tokenizer.
 
-Reads the header with `GGUFFile` (gguf_file.py; the tensors memory-mapped) and dequantizes with the
-`gguf` package (imported by these two modules only, never by the GPU-side ones).
-Each tensor is dequantized when the weight iterator reaches it (F32/F16/BF16/Q8_0/Q4_0/Q4_1 and
-every other type `gguf.quants` knows) and converted straight to the requested dtype and device.
+Reads the header with `GGUFFile` (gguf_file.py; the tensors memory-mapped); the `gguf` package
+gives the block sizes and the numpy dequantization (imported by the loading modules only, never by
+the GPU-side ones). Each tensor is dequantized when the weight iterator reaches it, on the requested device by torch
+for F32/F16/BF16/Q8_0/Q4_0/Q4_1 (gguf_quants.py), by `gguf.quants` on the CPU for every other type
+it knows, and converted straight to the requested dtype.
 llama.cpp's converter permutes the rows of attn_q/attn_k of `llama` models so that rotary pairs are
 adjacent (its "normal" rope); `unpermute_rope_rows` restores Hugging Face's half-split layout.
 Qwen2 files use the NEOX rope layout and are stored unpermuted.
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ppqa.engine.loading import gguf_quants
 from ppqa.engine.loading.gguf_file import GGUFFile
 from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 from ppqa.engine.model.config import ModelConfig
@@ -171,11 +173,13 @@ def _weights(path: Path, config: ModelConfig, arch: str, device: torch.device,
         if name is None:
             continue
         try:
-            array = _dequantize(tensor)
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            weight = gguf_quants.dequantize(tensor.data, tensor.tensor_type, shape, device)
+            if weight is None:  # a type torch does not unpack here: gguf's numpy code
+                weight = torch.from_numpy(_dequantize(tensor))
         except Exception as e:  # noqa: BLE001 -- a truncated mmap or an unknown quant type
             raise ModelLoadError(f"{str(path)!r}: cannot read tensor {tensor.name} "
                                  f"({tensor.tensor_type.name}): {type(e).__name__}: {e}") from e
-        weight = torch.from_numpy(array)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             weight = unpermute_rope_rows(weight, heads)
