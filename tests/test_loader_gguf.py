@@ -349,3 +349,14 @@ def test_other_types_are_left_to_the_gguf_package():
     block_bytes = gguf.GGML_QUANT_SIZES[Q.Q4_K][1]
     assert gguf_quants.dequantize(np.zeros(block_bytes, np.uint8), Q.Q4_K, (256,),
                                   torch.device("cpu")) is None
+
+
+def test_a_home_where_nothing_can_be_saved_still_loads_the_tokenizer(tmp_path, ppqa_home):
+    from ppqa.engine.loading.tokenizer import HFTokenizer
+
+    ppqa_home.mkdir(parents=True, exist_ok=True)
+    (ppqa_home / "tokenizers").write_text("a file where the folder would go")
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", Q.F32, original_weights(len(_vocab())))
+    tok = load_model(str(path)).tokenizer
+    assert isinstance(tok, HFTokenizer) and tok.encode("so the") == \
+        transformers_tokenizer(path).encode("so the", add_special_tokens=False)

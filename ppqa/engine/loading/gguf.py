@@ -1,10 +1,10 @@
 """GGUF files: metadata -> ModelConfig, tensors -> HF-named torch weights, vocabulary -> tokenizer.
 
 Reads the header with `GGUFFile` (gguf_file.py; the tensors memory-mapped); the `gguf` package
-gives the block sizes and the numpy dequantization (imported by the loading modules only, never by
-the GPU-side ones). Each tensor is dequantized when the weight iterator reaches it, on the requested device by torch
-for F32/F16/BF16/Q8_0/Q4_0/Q4_1 (gguf_quants.py), by `gguf.quants` on the CPU for every other type
-it knows, and converted straight to the requested dtype.
+gives the block sizes and the numpy dequantization (imported by the loading modules only, never
+by the GPU-side ones). Each tensor is dequantized when the weight iterator reaches it: by torch
+on the requested device for F32/F16/BF16/Q8_0/Q4_0/Q4_1 (gguf_quants.py), by `gguf.quants` on
+the CPU for every other type it knows; then converted straight to the requested dtype.
 llama.cpp's converter permutes the rows of attn_q/attn_k of `llama` models so that rotary pairs are
 adjacent (its "normal" rope); `unpermute_rope_rows` restores Hugging Face's half-split layout.
 Qwen2 files use the NEOX rope layout and are stored unpermuted.

@@ -118,8 +118,11 @@ def save_checked(hf, folder: Path) -> bool:
     except OSError:
         return False
     try:
-        hf.save_pretrained(str(tmp))
-        again, before = JsonTokenizer(tmp), HFTokenizer(hf)
+        try:
+            hf.save_pretrained(str(tmp))
+            again, before = JsonTokenizer(tmp), HFTokenizer(hf)
+        except Exception:  # noqa: BLE001 -- no room, or a copy the tokenizers library refuses
+            return False
         if again.encode(_PROBE) != before.encode(_PROBE) \
                 or again.chat_template != before.chat_template \
                 or again.vocab_size != before.vocab_size \
