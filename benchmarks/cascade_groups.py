@@ -1,6 +1,6 @@
 """One decode step's attention, one layer, with several documents and few questions each.
 
-`benchmarks/kernels.py` measures one document with many questions (the paper's grid). The
+`benchmarks/layer_kernels.py` measures one document with many questions (the paper's grid). The
 real-data workloads decode another shape: `loogle` is documents of ~19.9k tokens with 18
 questions each, several documents per step, and as answers end at their budgets a document
 keeps a few requests or one. This measures that shape per layer, stock against cascade

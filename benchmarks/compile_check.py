@@ -6,7 +6,7 @@ JITFunction.run so that the public launchers, called on CPU tensors at model sha
 arguments to `triton.compile(target=sm_90)` instead of launching. Needs the ptxas that the
 triton wheel carries. Each line also says whether the K/V loops' loads became async copies
 (`async N`: cp.async ops in the TTGIR). Usage: python benchmarks/compile_check.py [--sweep]
-(--sweep: also the contiguous-document tile configs that benchmarks/kernels.py sweeps).
+(--sweep: also the contiguous-document tile configs that benchmarks/layer_kernels.py sweeps).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _compile(self, *args, grid, warmup, **kwargs):
 
 
 def _sweep_configs(kernel: str, wanted: bool) -> list[tuple]:
-    """The tile configs benchmarks/kernels.py --sweep-<kernel> times (contiguous variants)."""
+    """The tile configs benchmarks/layer_kernels.py --sweep-<kernel> times (contiguous variants)."""
     if not wanted:
         return []
     sys.path.insert(0, os.path.dirname(__file__))
@@ -86,7 +86,7 @@ def _sweep_configs(kernel: str, wanted: bool) -> list[tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true",
-                        help="also compile the contiguous-document sweep configs of kernels.py")
+                        help="also compile the contiguous-document sweep configs of layer_kernels.py")
     sweep = parser.parse_args().sweep
     print(f"triton {triton.__version__} (the H200 results used 3.6.0: to match, put that wheel "
           "first on PYTHONPATH)")

@@ -19,5 +19,5 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "pytest exit $?"
   grep -E "passed|failed|error|Error|assert" "$OUT/pytest.log" | tail -25
 fi
-timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/kernels.py --out "$OUT/kernels_h200.json" "$@" \
+timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/layer_kernels.py --out "$OUT/kernels_h200.json" "$@" \
   2>&1 | tee "$OUT/bench.log" | tail -60

@@ -16,7 +16,7 @@ a minute a module): `bash benchmarks/flashinfer_device.sh [--cells 16384x256]`.
 against FlashInfer's single prefill on its FA2 and FA3 (sm_90a) backends, the measurement the
 decode step's floor gap needs (NOTES.md).
 
-Cell: benchmarks/kernels.py's Grid (Q requests whose rows are [document][16-token question]
+Cell: benchmarks/layer_kernels.py's Grid (Q requests whose rows are [document][16-token question]
 [129 answer tokens]), our stock step through TritonBackend.forward (which first writes the new
 token's K/V), then FlashInfer's BatchDecodeWithPagedKVCacheWrapper over the same slots with page
 size 1 (our pool [slots, Hkv, D] viewed as NHD pages [slots, 1, Hkv, D]), with and without its
@@ -36,7 +36,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernels import DEV, MODELS, Grid, bench, bench_replay  # noqa: E402
+from layer_kernels import DEV, MODELS, Grid, bench, bench_replay  # noqa: E402
 
 from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
 from ppqa.kernels.merge import merge_partials  # noqa: E402

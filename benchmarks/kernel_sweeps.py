@@ -1,4 +1,4 @@
-"""The contiguous-document sweeps of `benchmarks/kernels.py` (--sweep-prefix, --sweep-extend,
+"""The contiguous-document sweeps of `benchmarks/layer_kernels.py` (--sweep-prefix, --sweep-extend,
 --sweep-decode, --sweep-prefill).
 
 For one cell (16k/256 on the H200), the document read at affine addresses
@@ -6,7 +6,7 @@ For one cell (16k/256 on the H200), the document read at affine addresses
 over CONTIG_SWEEP tiles x CONTIG_SPLITS, against the gather variant at its defaults and SDPA
 (its shared read; per question for the decode); each timed as CUDA graph replays with its
 merge, each checked against the gather output.
-kernels.py builds the cell (its Grid) and writes the JSON; benchmarks/compile_check.py --sweep
+layer_kernels.py builds the cell (its Grid) and writes the JSON; benchmarks/compile_check.py --sweep
 compiles the same tiles.
 """
 
@@ -54,7 +54,7 @@ def contig_sweep(kernel: str, grid, model: str, bench_replay, smoke: bool = Fals
     "extend": the parallel P=32 step; "decode": the stock step (one request per question, the
     document hints as the engine passes them); "prefill": parallel's question prefill, requests
     of PREFILL_STREAMS streams of PREFILL_TOKENS new tokens each, stream-major, against the
-    document. `grid`: kernels.py's Grid of one cell, which puts the document at slots 1..L
+    document. `grid`: layer_kernels.py's Grid of one cell, which puts the document at slots 1..L
     (doc_start = 1); bench_replay times a CUDA graph replay. doc_TFLOPs counts the document
     part's useful FLOPs only (the prefill's: also each stream's causal own part); splits None =
     the planner's."""
@@ -193,7 +193,7 @@ ALONE = ("now", "64x64x4x3 tma", "128x128x8x2 serial")
 def cascade_step_sweep(grid, model: str, bench_replay, smoke: bool = False) -> list[dict]:
     """The cascade decode step's attention (one layer) over CASCADE_VARIANTS, each checked
     against the first; then the document part alone and the suffix part alone at the planned
-    splits (no merge). `grid`: kernels.py's Grid, whose Q_TOKENS / ANSWERED set the suffix."""
+    splits (no merge). `grid`: layer_kernels.py's Grid, whose Q_TOKENS / ANSWERED set the suffix."""
     import contextlib
 
     from ppqa.kernels import _arch

@@ -10,7 +10,7 @@ tokens already generated, so this step is answer token 129. All modes read the s
 For each: the median time (triton.testing.do_bench, L2 flushed between runs), the floor
 max(unique KV bytes / 4.3 TB/s, useful FLOPs / 790 TFLOP/s), the bytes the kernel reads
 (repeats counted: L2 may serve some) and the achieved rates. Writes JSON after every cell and
-prints a table last. Usage: python benchmarks/kernels.py [--out PATH] [--quick]
+prints a table last. Usage: python benchmarks/layer_kernels.py [--out PATH] [--quick]
 
 --sweep-prefix / --sweep-extend / --sweep-decode / --sweep-prefill (instead of the grid): the
 contiguous-document variants over their tiles and split counts at 16k/256 or --cell; and
@@ -333,7 +333,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)", "commit": commit or "unknown",
-              "command": " ".join(["python benchmarks/kernels.py", *sys.argv[1:]]),
+              "command": " ".join(["python benchmarks/layer_kernels.py", *sys.argv[1:]]),
               "graphs": GRAPHS, "contiguous_hints": not GATHER,
               "torch": torch.__version__, "triton": triton.__version__,
               "calibration": calibrate(), "rows": []}
