@@ -114,6 +114,19 @@ def test_pool_views_share_one_tensor() -> None:
     assert KVPool.bytes_per_slot(3, 2, 4, torch.bfloat16) == 2 * 3 * 2 * 4 * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cpu_pool_starts_as_zeros_of_its_dtype_that_take_writes(dtype) -> None:
+    """The CPU pool comes from calloc'd memory (kv_cache.zeros): zeros, of the pool's dtype and
+    shape, one tensor its views write into, and a second pool shares nothing with the first."""
+    pools = [KVPool(300, 2, 3, 8, dtype=dtype, device=torch.device("cpu")) for _ in range(2)]
+    first, second = pools
+    assert first.kv.dtype == dtype and first.kv.shape == (2, 2, 300, 3, 8)
+    assert first.kv.eq(0).all() and first.kv.is_contiguous()
+    first.v_buffers[1][299] = -2.5
+    assert first.kv[1, 1, 299].eq(-2.5).all() and first.kv.ne(0).sum() == 3 * 8
+    assert second.kv.eq(0).all()
+
+
 def test_table_rows_and_row_length_check() -> None:
     table = ReqToTokenTable(2, 8, torch.device("cpu"))
     rows = {table.alloc(), table.alloc()}

@@ -15,7 +15,9 @@ cache above them is `document_cache.py`).
 from __future__ import annotations
 
 import itertools
+import math
 
+import numpy as np
 import torch
 
 
@@ -98,6 +100,17 @@ class SlotAllocator:
         self.num_free += int(ordered.numel())
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on the CPU from calloc'd memory (numpy's zeros), whose pages the OS maps, as
+    zeros, when first touched: a CPU pool sized for 65k tokens then costs neither clearing it
+    (0.48 s for SmolLM2's 3 GB, benchmarks/NOTES.md "CPU: a GGUF model's start-up") nor the
+    memory of slots no request reaches."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(dtype).reshape(shape)
+
+
 class KVPool:
     """K/V buffers of every layer plus the per-slot stream ids (see `attention/metadata.py`)."""
 
@@ -106,8 +119,7 @@ class KVPool:
         self.num_slots = num_slots
         self.dtype, self.device = dtype, device
         # Zeroed, not empty: padded reads of slot 0 must never meet NaN garbage.
-        self.kv = torch.zeros(2, num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype,
-                              device=device)
+        self.kv = zeros((2, num_layers, num_slots, num_kv_heads, head_dim), dtype, device)
         self.k_buffers = list(self.kv[0].unbind(0))
         self.v_buffers = list(self.kv[1].unbind(0))
         self.slot_sid = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
