@@ -327,16 +327,37 @@ def test_a_changed_file_or_a_damaged_copy_builds_the_tokenizer_again(tmp_path, p
         sorted([before.name, saved_tokenizer_dir(path).name])
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1],
-                         ids=lambda q: q.name)
-def test_torch_dequantizes_to_the_same_bits_as_the_gguf_package(qtype):
+def _blocks_of(qtype, weights: np.ndarray) -> np.ndarray:
+    """`weights` in `qtype`'s layout: quantized by the gguf package where it can, else random
+    bytes with finite f16 scales (any bytes are a valid k-quant block)."""
+    if qtype == Q.F32:
+        return weights
+    if qtype == Q.F16:
+        return weights.astype(np.float16)
+    if qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return gguf.quants.quantize(weights, qtype)
+    rng = np.random.default_rng(4)
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (weights.size // block_weights, block_bytes), dtype=np.uint8)
+    at = (slice(208, 210),) if qtype == Q.Q6_K else (slice(0, 2), slice(2, 4))
+    for cut in at:
+        blocks[:, cut] = rng.standard_normal((len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(weights.shape[0], -1)
+
+
+@pytest.mark.parametrize("chunk", [None, 96])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K,
+                                   Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_torch_dequantizes_to_the_same_bits_as_the_gguf_package(qtype, chunk, monkeypatch):
+    """Every type torch unpacks, whole and in chunks that end inside the tensor."""
     from ppqa.engine.loading import gguf_quants
 
+    if chunk is not None:  # 96 weights: one block of 32 short of a chunk's end at 128
+        monkeypatch.setattr(gguf_quants, "CPU_CHUNK_WEIGHTS", chunk)
     rng = np.random.default_rng(3)
-    weights = (rng.standard_normal((48, 256)) * np.exp(rng.standard_normal((48, 1)))).astype(np.float32)
+    weights = (rng.standard_normal((48, 512)) * np.exp(rng.standard_normal((48, 1)))).astype(np.float32)
     weights[0, :32] = 0.0  # a block of zeros: scale 0
-    data = weights if qtype == Q.F32 else (weights.astype(np.float16) if qtype == Q.F16
-                                            else gguf.quants.quantize(weights, qtype))
+    data = _blocks_of(qtype, weights)
     got = gguf_quants.dequantize(data, qtype, weights.shape, torch.device("cpu"))
     want = gguf.quants.dequantize(data, qtype).reshape(weights.shape)
     assert got.dtype == torch.float32 and got.shape == weights.shape
@@ -346,8 +367,8 @@ def test_torch_dequantizes_to_the_same_bits_as_the_gguf_package(qtype):
 def test_other_types_are_left_to_the_gguf_package():
     from ppqa.engine.loading import gguf_quants
 
-    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q4_K][1]
-    assert gguf_quants.dequantize(np.zeros(block_bytes, np.uint8), Q.Q4_K, (256,),
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q2_K][1]
+    assert gguf_quants.dequantize(np.zeros(block_bytes, np.uint8), Q.Q2_K, (256,),
                                   torch.device("cpu")) is None
 
 
