@@ -3,8 +3,9 @@
 Reads the header with `GGUFFile` (gguf_file.py; the tensors memory-mapped); the `gguf` package
 gives the block sizes and the numpy dequantization (imported by the loading modules only, never
 by the GPU-side ones). Each tensor is dequantized when the weight iterator reaches it: by torch
-on the requested device for F32/F16/BF16/Q8_0/Q4_0/Q4_1 (gguf_quants.py), by `gguf.quants` on
-the CPU for every other type it knows; then converted straight to the requested dtype.
+on the requested device for the types in `gguf_quants.TYPES` (the plain ones, Q8_0, Q4_0, Q4_1
+and the Q4_K/Q5_K/Q6_K k-quants), by `gguf.quants` on the CPU for every other type it knows;
+then converted straight to the requested dtype.
 llama.cpp's converter permutes the rows of attn_q/attn_k of `llama` models so that rotary pairs are
 adjacent (its "normal" rope); `unpermute_rope_rows` restores Hugging Face's half-split layout.
 Qwen2 files use the NEOX rope layout and are stored unpermuted.
