@@ -41,10 +41,9 @@ def engine(smollm2_gguf):
 def hf(smollm2_gguf):
     """transformers' own tokenizer from the GGUF's metadata (the engine reads the copy ppqa
     saved from it, engine/loading/gguf.py)."""
-    from ppqa.engine.loading.gguf import _hf_tokenizer
+    from ppqa.engine.loading.gguf import transformers_tokenizer
 
-    real = smollm2_gguf.resolve()
-    return _hf_tokenizer(str(real), real.stat().st_mtime_ns)
+    return transformers_tokenizer(smollm2_gguf)
 
 
 def reference_ids(hf, template: str, question: str, choices) -> tuple[list[int], list[str]]:

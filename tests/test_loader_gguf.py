@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from ppqa.engine.loading.gguf import transformers_tokenizer  # the reference ppqa saves
 from ppqa.engine.loading.loader import ModelLoadError, load_model
 
 Q = gguf.GGMLQuantizationType
@@ -161,13 +162,6 @@ def test_config_and_tokenizer_from_metadata(tmp_path):
     assert _vocab().index("Ġthe") in tok.encode("so the")  # merges from the file are used
     prompt = tok.prompt("qa", "Some text.", ["Why?"])
     assert transformers_tokenizer(path).decode(prompt.prefix_ids).startswith("<|im_start|>user\n")
-
-
-def transformers_tokenizer(path: Path):
-    """transformers' own tokenizer from the GGUF's metadata (the one the loader saves)."""
-    from ppqa.engine.loading.gguf import _hf_tokenizer
-
-    return _hf_tokenizer(str(path.resolve()), path.stat().st_mtime_ns)
 
 
 def test_tied_embeddings_when_output_is_absent(tmp_path):

@@ -59,15 +59,8 @@ def test_unknown_template_names_the_available_ones():
         assert name in str(err.value)
 
 
-def transformers_tokenizer(path):
-    """transformers' own tokenizer from the GGUF's metadata: the reference (ppqa loads the copy
-    it saved from it, engine/loading/gguf.py)."""
-    from ppqa.engine.loading.gguf import _hf_tokenizer
-
-    return _hf_tokenizer(str(path.resolve()), path.resolve().stat().st_mtime_ns)
-
-
 def test_smollm2_prompt_wraps_in_chat_template(smollm2):
+    from ppqa.engine.loading.gguf import transformers_tokenizer  # the reference ppqa saves
     from ppqa.engine.loading.loader import load_model
 
     tok, hf = load_model("smollm2").tokenizer, transformers_tokenizer(smollm2)
@@ -92,6 +85,7 @@ def test_smollm2_prompt_wraps_in_chat_template(smollm2):
 
 
 def test_smollm2_decode_skips_specials_and_eos_is_im_end(smollm2):
+    from ppqa.engine.loading.gguf import transformers_tokenizer  # the reference ppqa saves
     from ppqa.engine.loading.loader import load_model
 
     tok, hf = load_model("smollm2").tokenizer, transformers_tokenizer(smollm2)
@@ -102,6 +96,7 @@ def test_smollm2_decode_skips_specials_and_eos_is_im_end(smollm2):
 
 
 def test_smollm2_decode_of_a_cut_character_drops_it(smollm2):
+    from ppqa.engine.loading.gguf import transformers_tokenizer  # the reference ppqa saves
     from ppqa.engine.loading.loader import load_model
 
     tok, hf = load_model("smollm2").tokenizer, transformers_tokenizer(smollm2)

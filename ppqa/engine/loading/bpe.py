@@ -65,7 +65,7 @@ def _load_saved(saved: Path):
 
 def _build_from_gguf(saved: Path, root: Path | None):
     from ppqa.engine.loading import model_cache
-    from ppqa.engine.loading.gguf import _hf_tokenizer
+    from ppqa.engine.loading.gguf import transformers_tokenizer
 
     path = model_cache.ensure(BPE_MODEL, root)
     try:
@@ -74,4 +74,4 @@ def _build_from_gguf(saved: Path, root: Path | None):
         raise ModelLoadError(f"the +bpe tokenizer is built once from {path}, which needs the `gguf` "
                              f"package (pip install gguf), or copy a saved {saved.name} folder "
                              f"into {saved.parent}") from e
-    return _hf_tokenizer(str(path.resolve()), path.resolve().stat().st_mtime_ns)
+    return transformers_tokenizer(path)

@@ -239,7 +239,7 @@ def gguf_tokenizer(path: Path, extra_eos_ids: list[int]) -> Any:
             return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
         except Exception:  # noqa: BLE001 -- a damaged copy: build it again below
             shutil.rmtree(saved, ignore_errors=True)
-    hf = _hf_tokenizer(str(path.resolve()), path.stat().st_mtime_ns)
+    hf = transformers_tokenizer(path)
     if save_checked(hf, saved):
         return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
     return HFTokenizer(hf, extra_eos_ids=extra_eos_ids)
@@ -255,6 +255,13 @@ def saved_tokenizer_dir(path: Path) -> Path:
     stat = real.stat()
     key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     return ppqa_home() / "tokenizers" / f"{real.stem}-{key[:16]}"
+
+
+def transformers_tokenizer(path: Path) -> Any:
+    """`transformers`' own tokenizer from the GGUF file's metadata, one per real file and
+    modification time for the life of the process (`_hf_tokenizer`)."""
+    real = path.resolve()
+    return _hf_tokenizer(str(real), real.stat().st_mtime_ns)
 
 
 @lru_cache(maxsize=2)

@@ -107,7 +107,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     memory of slots no request reaches."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(size, dtype=np.uint8)).view(dtype).reshape(shape)
 
 
