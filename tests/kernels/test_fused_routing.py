@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checks import HEADS
+from checks import ATOL, DEVICE, HEADS
 from torch.nn.attention import SDPBackend
 
 from ppqa.engine.attention import fused_chunks, triton_backend
@@ -65,7 +65,7 @@ class Recorder:
 
 @pytest.fixture
 def routed(monkeypatch):
-    """(backend maker, cuDNN stand-in, FlashAttention stand-in) with fp32 CPU tensors taken as
+    """(backend maker, cuDNN stand-in, FlashAttention stand-in) with fp32 tensors taken as
     fusable and the first-chunk rent reset."""
     cudnn, flash = Recorder(), Recorder()
     monkeypatch.setattr(triton_backend, "fusable", lambda q: True)
@@ -76,7 +76,7 @@ def routed(monkeypatch):
     def make(heads):
         num_heads, kv_heads, dim = heads
         pool = KVPool(CHUNK_ROWS + 128, 1, kv_heads, dim, dtype=torch.float32,
-                      device=torch.device("cpu"))
+                      device=DEVICE)
         return TritonBackend(pool, num_heads, kv_heads, dim, dim ** -0.5,
                              scratch_bytes=1 << 20)
     return make, cudnn, flash
@@ -85,15 +85,14 @@ def routed(monkeypatch):
 def inputs(tokens: int, heads, seed: int = 0):
     num_heads, kv_heads, dim = heads
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(tokens, num_heads, dim, generator=gen),
-            torch.randn(tokens, kv_heads, dim, generator=gen),
-            torch.randn(tokens, kv_heads, dim, generator=gen))
+    return tuple(torch.randn(tokens, h, dim, generator=gen).to(DEVICE)
+                 for h in (num_heads, kv_heads, kv_heads))
 
 
 def assert_causal(got, q, k, v, scale, skip: int = 0):
     ref = causal_reference(q, k, v, scale)[skip:]
     assert torch.isfinite(got).all()
-    assert (got.double() - ref).abs().max() < 1e-4
+    assert (got.double() - ref).abs().max() <= ATOL[torch.float32]
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
@@ -182,3 +181,11 @@ def test_a_later_chunk_after_a_short_prior_goes_as_a_first_chunk(routed):
     assert backend._fused_chunk(q[prior:], k[prior:], v[prior:], o, k_buf, v_buf, 0, prior)
     assert flash.calls == [(True, prior + tokens, prior + tokens)] and cudnn.calls == []
     assert_causal(o, q, k, v, backend.sm_scale, skip=prior)
+
+
+def test_cudnn_attention_refuses_what_cudnn_cannot_run_as_the_backend_expects():
+    """On CPU tensors torch has the op but no kernel: a RuntimeError, which the backend takes
+    as cuDNN's refusal. (A misnamed op would raise AttributeError and fail the prefill.)"""
+    q = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="_scaled_dot_product_cudnn_attention"):
+        fused_chunks.cudnn_attention(q, q, q, causal=True, scale=0.25)

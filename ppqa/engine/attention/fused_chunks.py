@@ -131,7 +131,7 @@ def cudnn_attention(q, k, v, *, causal: bool, scale: float):
     """Torch's cuDNN attention with the log-sum-exp: q [1, H, T, D], k/v [1, H, S, D] ->
     (o [T, H, D], lse [T, H] float32, natural log). Raises RuntimeError where cuDNN does not
     take the shapes."""
-    out = torch.ops.aten._scaled_dot_productcudnn_attention(
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale)
     o, lse = out[0], out[1]
     tokens = q.shape[2]
