@@ -164,6 +164,27 @@ def test_config_and_tokenizer_from_metadata(tmp_path):
     assert transformers_tokenizer(path).decode(prompt.prefix_ids).startswith("<|im_start|>user\n")
 
 
+def test_the_files_bos_and_eos_ids_hold_where_transformers_names_other_tokens(tmp_path,
+                                                                             monkeypatch):
+    """transformers 5.17 builds a GGUF's tokenizer with its BOS token as EOS too; the tokenizer
+    ppqa builds and saves ends answers on the file's EOS id and starts them with its BOS."""
+    import transformers
+
+    build = transformers.AutoTokenizer.from_pretrained
+
+    def swapped(*args, **kwargs):  # the real build, then BOS and EOS as a version misreads them
+        hf = build(*args, **kwargs)
+        hf.bos_token, hf.eos_token = hf.eos_token, hf.bos_token
+        return hf
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", swapped)
+    path = write_tiny_gguf(tmp_path / "swapped.gguf", Q.F32, original_weights(len(_vocab())))
+    hf = transformers_tokenizer(path)
+    assert (hf.bos_token, hf.eos_token) == ("<|im_start|>", "<|im_end|>")
+    tok = load_model(str(path)).tokenizer
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, [2])
+
+
 def test_tied_embeddings_when_output_is_absent(tmp_path):
     weights = original_weights(len(_vocab()))
     del weights["lm_head.weight"]

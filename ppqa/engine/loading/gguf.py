@@ -272,8 +272,18 @@ def _hf_tokenizer(path: str, mtime_ns: int) -> Any:
 
     p = Path(path)
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                          local_files_only=True)
+        hf = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                        local_files_only=True)
     except Exception as e:  # noqa: BLE001 -- transformers raises many kinds on bad metadata
         raise ModelLoadError(f"{path!r}: cannot build the tokenizer from the GGUF metadata: "
                              f"{type(e).__name__}: {e}") from e
+    # The file names its BOS and EOS tokens by id; some transformers versions set another
+    # (5.17 takes the BOS token for EOS), so the file's ids are put back.
+    reader = _reader(p)
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    for name in ("bos", "eos"):
+        token_id = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None and 0 <= int(token_id) < len(tokens) \
+                and getattr(hf, f"{name}_token_id") != int(token_id):
+            setattr(hf, f"{name}_token", str(tokens[int(token_id)]))
+    return hf
