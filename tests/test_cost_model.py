@@ -130,6 +130,38 @@ def test_stock_attention_is_linear_in_questions_and_in_rows():
     assert cm.attention_seconds(cfg, longer, "stock", 1, gpu) == pytest.approx(2 * a)
 
 
+@pytest.mark.parametrize("model,kind", list(itertools.product(MODELS, RATES)))
+def test_documents_in_one_step_share_its_weights_and_cascades_floor(model, kind):
+    """D documents of Q questions decoding together: each is charged 1/D of the step's shared
+    part (which is that of one document of D x Q questions) and of cascade's per-layer floor;
+    the other costs of attention are each document's own."""
+    cfg, rates = config(model), RATES[kind]
+    for doc, questions, documents in itertools.product(DOCS, QUESTIONS, (2, 14)):
+        alone = work(doc, questions)
+        together = cm.Workload(doc, questions, alone.question_tokens, alone.max_new_tokens,
+                               documents=documents)
+        whole = work(doc, questions * documents)
+        assert documents * cm.shared_seconds(cfg, together, rates) == \
+            pytest.approx(cm.shared_seconds(cfg, whole, rates))
+        for mode in ("stock", "parallel"):
+            assert cm.attention_seconds(cfg, together, mode, 8, rates) == \
+                cm.attention_seconds(cfg, alone, mode, 8, rates)
+        floor = cfg.num_layers * rates.cascade_layer_floor_s
+        shared = cm.attention_seconds(cfg, together, "cascade", 1, rates)
+        assert shared <= cm.attention_seconds(cfg, alone, "cascade", 1, rates)
+        assert shared >= cm.attention_seconds(cfg, alone, "cascade", 1, rates) - floor
+
+
+def test_a_document_stock_would_answer_alone_takes_cascade_among_many():
+    """QuALITY's shape on Qwen2.5-7B (5.7k tokens, 18 questions, 16-token answers): alone,
+    cascade's per-layer floor outweighs 18 reads of the document; the ~14 documents of a
+    256-request step share the floor, and cascade is the cheaper step."""
+    cfg, gpu = config("qwen2.5-7b"), RATES["cuda"]
+    w = dict(doc_tokens=5700, questions=18, question_tokens=40, max_new_tokens=16)
+    assert cm.choose(cfg, cm.Workload(**w), gpu, ("stock", "cascade"))[0] == "stock"
+    assert cm.choose(cfg, cm.Workload(**w, documents=14), gpu, ("stock", "cascade"))[0] == "cascade"
+
+
 def test_unknown_mode_has_no_cost():
     with pytest.raises(ValueError, match="no cost model for mode 'fast'"):
         cm.attention_seconds(config("tiny-gqa"), work(64, 2), "fast", 1, RATES["cpu"])

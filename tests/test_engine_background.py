@@ -251,3 +251,39 @@ def test_prefill_ahead_waits_while_questions_decode(bpe_engine, tmp_path: Path) 
     assert session.stats.steps == steps and session._intake.pending
     _drain(session)
     session.close()
+
+
+def test_auto_prices_each_document_with_those_decoding_beside_it(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The cost model hears how many documents share a group's decode steps: the scheduler's,
+    the rest of its submit and the submits still tokenizing, as many as the batch holds."""
+    from ppqa.engine import intake
+
+    seen: list[int] = []
+    real = intake.choose_plan
+
+    def recording(*args, documents, **kwargs):
+        seen.append(documents)
+        return real(*args, documents=documents, **kwargs)
+
+    monkeypatch.setattr(intake, "choose_plan", recording)
+    engine = Engine("dummy:tiny-gqa+bpe", device="cpu",
+                    config=EngineConfig(seed=5, max_batch_requests=12))
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(14)
+    docs = [text(rng, n) for n in (300, 400, 500, 600, 700)]
+    session = engine.session()
+    session.submit([r for d, tag in zip(docs[:2], "ab") for r in _requests(rng, d, 3, tmpl, tag)],
+                   mode="auto")
+    assert seen == [2, 2]  # the first with the one after it, the second with the first
+    session.submit(_requests(rng, docs[2], 3, tmpl, "c"), mode="auto", background=True)
+    session.submit(_requests(rng, docs[3], 3, tmpl, "d"), mode="auto", background=True)
+    _drain(session)
+    assert seen[2:] == [4, 4]  # c: a and b held, d still tokenizing; d: a, b and c held
+    session.submit(_requests(rng, docs[0], 3, tmpl, "e"), mode="auto")
+    assert seen[-1] == 1  # nothing else held: a's document again counts once
+    _drain(session)
+    session.submit([r for d, tag in zip(docs[2:], "fgh") for r in _requests(rng, d, 6, tmpl, tag)],
+                   mode="auto")
+    assert seen[-3:] == [2, 2, 2]  # three of 6 questions each, and 12 rows hold two
+    session.close()

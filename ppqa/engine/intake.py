@@ -58,9 +58,9 @@ class Intake:
                 self._tokenizing.append(Tokenizing(groups, future, mode, streams, due))
             return sum(len(g.requests) for g in groups)
         self.collect(iteration, wait_all=True)  # earlier background submits queue first
-        accepted = sum(self._queue_group(doc_ids, group, mode, streams)
-                       for doc_ids, group in prepare_groups(self.engine, requests, self.reject,
-                                                            self.scores.expect))
+        jobs = prepare_groups(self.engine, requests, self.reject, self.scores.expect)
+        accepted = sum(self._queue_group(doc_ids, group, mode, streams, later=len(jobs) - i - 1)
+                       for i, (doc_ids, group) in enumerate(jobs))
         self._record_mode()
         return accepted
 
@@ -90,13 +90,14 @@ class Intake:
                     group.reject_all(self.reject, error)
                 continue
             at = 0
-            for group in work.groups:
+            for i, group in enumerate(work.groups):
                 n = len(group.texts.all)
                 job = group_streams(self.engine, group, encoded[at:at + n], self.reject,
                                     self.scores.expect)
                 at += n
                 if job is not None:
-                    self._queue_group(*job, work.mode, work.streams)
+                    self._queue_group(*job, work.mode, work.streams,
+                                      later=len(work.groups) - i - 1)
         if self.modes:
             self._record_mode()
 
@@ -111,9 +112,9 @@ class Intake:
         self.stats.mode = next(iter(self.modes)) if len(self.modes) == 1 else "mixed"
 
     def _queue_group(self, doc_ids: list[int], group: list[Stream], mode: str,
-                     streams: int | str | None) -> int:
+                     streams: int | str | None, later: int = 0) -> int:
         """One document group's streams to the scheduler, in the mode chosen for them; returns
-        how many."""
+        how many. `later`: the groups of the same submit queued after this one."""
         engine = self.engine
         scored = [s for s in group if s.choice_ids is not None]
         group = [s for s in group if s.choice_ids is None]
@@ -128,12 +129,21 @@ class Intake:
         else:
             chosen, width = choose_plan(mode, streams, len(doc_ids), group,
                                         engine.model_config, engine.device.type,
-                                        engine.dtype.itemsize, engine.config.default_streams)
+                                        engine.dtype.itemsize, engine.config.default_streams,
+                                        documents=self._documents(doc_ids, len(group), later))
         self.modes.add(chosen)
         self.stats.streams = max(self.stats.streams, width)
         for req in make_requests(engine, doc_ids, group, chosen, width):
             self.sched.add(req)
         return len(scored) + len(group)
+
+    def _documents(self, doc_ids: list[int], questions: int, later: int) -> int:
+        """How many documents a new group of `questions` streams may decode beside, itself
+        included: those the scheduler holds, the `later` groups of its submit and those still
+        tokenizing, as many as the batch has room for beside it."""
+        others = (self.sched.documents(besides=document_key(doc_ids)) + later
+                  + sum(len(work.groups) for work in self._tokenizing))
+        return max(1, min(1 + others, self.sched.max_batch_requests // max(1, questions)))
 
     def _queue_scored(self, doc_ids: list[int], streams: list[Stream], mode: str) -> None:
         key = document_key(doc_ids)

@@ -32,17 +32,19 @@ from ppqa.engine.runtime.request import Request, Stream
 
 
 def choose_plan(mode: str, streams: int | str | None, doc_tokens: int, group: Sequence[Stream],
-                model_config, device_kind: str, dtype_bytes: int, default_streams: int
-                ) -> tuple[str, int]:
+                model_config, device_kind: str, dtype_bytes: int, default_streams: int,
+                documents: int = 1) -> tuple[str, int]:
     """(mode, P) for one document's questions. "auto" mode and streams="auto" ask the cost
-    model (runtime/cost_model.py); parallel with streams=None uses the default P; P is capped at
+    model (runtime/cost_model.py), with the `documents` (this one included) expected to decode
+    in the same steps; parallel with streams=None uses the default P; P is capped at
     the question count. On a GPU auto chooses between stock and cascade, which share a decode
     step; on the CPU the torch backend's cascade is a literal split for testing, slower than
     parallel (benchmarks/RESULTS.md, 'CPU'), so auto chooses between stock and parallel."""
     workload = cost_model.Workload(
         doc_tokens=doc_tokens, questions=len(group),
         question_tokens=round(sum(len(s.suffix_ids) for s in group) / len(group)),
-        max_new_tokens=round(sum(s.sampling.max_new_tokens for s in group) / len(group)))
+        max_new_tokens=round(sum(s.sampling.max_new_tokens for s in group) / len(group)),
+        documents=documents)
     rates = cost_model.DeviceRates.for_device(device_kind)
     if mode == "auto":
         candidates = ("stock", "cascade") if device_kind == "cuda" else ("stock", "parallel")

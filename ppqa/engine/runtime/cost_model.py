@@ -12,7 +12,9 @@ their answers (we charge the mean over the answer budget, a = max_new / 2):
 
 all times the KV bytes of a token, and FLOPs = 4 x head_dim x query heads per (query, key). Each
 part costs max(bytes / bandwidth, FLOPs / matmul rate) over an efficiency measured for our
-kernels (benchmarks/RESULTS.md, 'Kernels, one layer'). A mode other than stock is chosen only
+kernels (benchmarks/RESULTS.md, 'Kernels, one layer'). Where several documents decode in the
+same steps, each is charged its share of what they share: the weight reads and overhead of the
+step, and cascade's per-layer floor (one document launch a layer serves every cascade group). A mode other than stock is chosen only
 when the whole step is predicted at least `MIN_GAIN` faster, so `auto` falls back to the
 baseline when the modes are within the model's error (one question, tiny documents) rather
 than betting on noise. MIN_GAIN is small because real gains can be small: on the H200 a
@@ -75,6 +77,10 @@ class Workload:
     questions: int
     question_tokens: int  # mean tokens of one question's suffix
     max_new_tokens: int
+    # Documents whose questions decode in the same steps as these: they share the step's
+    # weight reads and launches, and cascade's per-layer floor (one document launch a layer
+    # serves every cascade group of the step).
+    documents: int = 1
 
     @property
     def own_tokens(self) -> float:
@@ -100,7 +106,7 @@ def attention_seconds(cfg: ModelConfig, w: Workload, mode: str, streams: int,
         return Q * (L + s) * kv / (bw * eff)
     if mode == "cascade":  # the document as one product, then each suffix read once
         document = max(L * kv / bw, Q * L * fp / (mm * rates.cascade_flop_eff),
-                       cfg.num_layers * rates.cascade_layer_floor_s)
+                       cfg.num_layers * rates.cascade_layer_floor_s / w.documents)
         return document + Q * s * kv / (bw * rates.cascade_mem_eff)
     if mode == "parallel":
         p = max(1, min(streams, Q))
@@ -111,10 +117,12 @@ def attention_seconds(cfg: ModelConfig, w: Workload, mode: str, streams: int,
 
 
 def shared_seconds(cfg: ModelConfig, w: Workload, rates: DeviceRates, dtype_bytes: int = 2) -> float:
-    """Predicted time of everything but attention in one step of all Q questions."""
+    """Predicted time of everything but attention in one step, the Q questions' share of it:
+    the step's weight reads and overhead are shared by its `documents`' questions."""
     params = cfg.num_layers * cfg.projection_params_per_layer() + cfg.vocab_size * cfg.hidden_size
-    return max(params * dtype_bytes / rates.bandwidth,
-               2 * params * w.questions / rates.matmul) + rates.step_overhead_s
+    step = max(params * dtype_bytes / rates.bandwidth,
+               2 * params * w.questions * w.documents / rates.matmul) + rates.step_overhead_s
+    return step / w.documents
 
 
 def best_streams(cfg: ModelConfig, w: Workload, rates: DeviceRates, dtype_bytes: int = 2) -> int:

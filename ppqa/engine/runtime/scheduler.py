@@ -69,6 +69,11 @@ class Scheduler:
         return any(r.mode == "cascade" and r.doc_key == doc_key
                    for r in (*self.waiting, *self.prefilling, *self.running))
 
+    def documents(self, besides=None) -> int:
+        """How many documents the queued and running requests are about, `besides` not counted."""
+        return len({r.doc_key for r in (*self.waiting, *self.prefilling, *self.running)}
+                   - {besides})
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
