@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import functools
 import math
 import os
 import subprocess
@@ -223,10 +224,10 @@ def cell(model: str, doc_len: int, questions: int, gen) -> list[dict]:
     plan = backend.plan(meta)
     part = backend.scratch.views(questions, grid.num_heads, plan.prefix_splits, grid.head_dim)
     casc = meta.cascade
-    doc_ms = bench(lambda: launch_shared_prefix(
-        grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr, casc.doc_req_indices,
-        casc.doc_lens, casc.max_group_size, backend.sm_scale, plan.prefix_splits, *part,
-        doc_starts=backend._doc_starts(casc)))
+    doc_ms = bench(functools.partial(  # no closure over `grid`, which is deleted below
+        launch_shared_prefix, grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
+        casc.doc_req_indices, casc.doc_lens, casc.max_group_size, backend.sm_scale,
+        plan.prefix_splits, *part, doc_starts=backend._doc_starts(casc)))
     out.append(figures(grid, "cascade_document", doc_ms) | {"splits": plan.prefix_splits})
     for shared in (True, False):
         name = "sdpa_shared" if shared else "sdpa_per_question"
