@@ -325,9 +325,15 @@ def test_the_tokenizer_is_saved_once_and_read_back_without_transformers(tmp_path
 
 
 def test_a_changed_file_or_a_damaged_copy_builds_the_tokenizer_again(tmp_path, ppqa_home):
+    """... and the copy saved for the file's earlier version is deleted, not that of a file of
+    the same name in another folder."""
     from ppqa.engine.loading.gguf import saved_tokenizer_dir
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", Q.F32, original_weights(len(_vocab())))
+    (tmp_path / "elsewhere").mkdir()
+    namesake = write_tiny_gguf(tmp_path / "elsewhere" / "tiny.gguf", Q.F32,
+                               original_weights(len(_vocab())))
+    load_model(str(namesake))
     load_model(str(path))
     before = saved_tokenizer_dir(path)
     (before / "tokenizer.json").write_text("{ not json")
@@ -339,7 +345,8 @@ def test_a_changed_file_or_a_damaged_copy_builds_the_tokenizer_again(tmp_path, p
     assert saved_tokenizer_dir(path) != before
     assert load_model(str(path)).tokenizer.eos_token_ids == [1, 2]
     assert sorted(p.name for p in (ppqa_home / "tokenizers").iterdir()) == \
-        sorted([before.name, saved_tokenizer_dir(path).name])
+        sorted([saved_tokenizer_dir(namesake).name, saved_tokenizer_dir(path).name])
+    assert not before.exists()
 
 
 def _blocks_of(qtype, weights: np.ndarray) -> np.ndarray:

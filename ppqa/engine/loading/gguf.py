@@ -16,6 +16,7 @@ by later processes without `transformers` (`gguf_tokenizer`).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import re
 import shutil
@@ -241,8 +242,29 @@ def gguf_tokenizer(path: Path, extra_eos_ids: list[int]) -> Any:
             shutil.rmtree(saved, ignore_errors=True)
     hf = transformers_tokenizer(path)
     if save_checked(hf, saved):
+        _forget_earlier_versions(path, saved)
         return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
     return HFTokenizer(hf, extra_eos_ids=extra_eos_ids)
+
+
+def _forget_earlier_versions(path: Path, saved: Path) -> None:
+    """Mark `saved` as the tokenizer of `path`'s real file (a `source` file beside it) and
+    delete the tokenizers saved for earlier versions of that file (same path, another size
+    or modification time): each is a few MB that nothing reads again."""
+    real = str(path.resolve())
+    try:
+        (saved / "source").write_text(real)
+    except OSError:
+        return
+    for other in saved.parent.glob(f"{glob.escape(path.resolve().stem)}-*"):
+        if other == saved or not other.is_dir():
+            continue
+        try:
+            source = (other / "source").read_text()
+        except OSError:
+            continue
+        if source == real:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def saved_tokenizer_dir(path: Path) -> Path:
