@@ -141,9 +141,10 @@ class Intake:
         """How many documents a new group of `questions` streams may decode beside, itself
         included: those the scheduler holds, the `later` groups of its submit and those still
         tokenizing, as many as the batch has room for beside it."""
-        others = (self.sched.documents(besides=document_key(doc_ids)) + later
+        room = max(1, self.sched.max_batch_requests // max(1, questions))
+        others = (self.sched.documents(besides=document_key(doc_ids), up_to=room) + later
                   + sum(len(work.groups) for work in self._tokenizing))
-        return max(1, min(1 + others, self.sched.max_batch_requests // max(1, questions)))
+        return min(1 + others, room)
 
     def _queue_scored(self, doc_ids: list[int], streams: list[Stream], mode: str) -> None:
         key = document_key(doc_ids)

@@ -69,10 +69,16 @@ class Scheduler:
         return any(r.mode == "cascade" and r.doc_key == doc_key
                    for r in (*self.waiting, *self.prefilling, *self.running))
 
-    def documents(self, besides=None) -> int:
-        """How many documents the queued and running requests are about, `besides` not counted."""
-        return len({r.doc_key for r in (*self.waiting, *self.prefilling, *self.running)}
-                   - {besides})
+    def documents(self, besides=None, up_to: int | None = None) -> int:
+        """How many documents the queued and running requests are about, `besides` not counted;
+        the count stops at `up_to`."""
+        seen = set()
+        for r in itertools.chain(self.running, self.prefilling, self.waiting):
+            if r.doc_key != besides:
+                seen.add(r.doc_key)
+                if up_to is not None and len(seen) >= up_to:
+                    break
+        return len(seen)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
