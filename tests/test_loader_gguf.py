@@ -367,23 +367,29 @@ def _blocks_of(qtype, weights: np.ndarray) -> np.ndarray:
     return blocks.reshape(weights.shape[0], -1)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("chunk", [None, 96])
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K,
                                    Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
-def test_torch_dequantizes_to_the_same_bits_as_the_gguf_package(qtype, chunk, monkeypatch):
-    """Every type torch unpacks, whole and in chunks that end inside the tensor."""
+def test_torch_dequantizes_to_the_same_bits_as_the_gguf_package(qtype, chunk, device,
+                                                                monkeypatch):
+    """Every type torch unpacks, whole and in chunks that end inside the tensor, on the CPU
+    and (where there is one) on the GPU."""
     from ppqa.engine.loading import gguf_quants
 
     if chunk is not None:  # 96 weights: one block of 32 short of a chunk's end at 128
         monkeypatch.setattr(gguf_quants, "CPU_CHUNK_WEIGHTS", chunk)
+        monkeypatch.setattr(gguf_quants, "DEVICE_CHUNK_WEIGHTS", chunk)
     rng = np.random.default_rng(3)
     weights = (rng.standard_normal((48, 512)) * np.exp(rng.standard_normal((48, 1)))).astype(np.float32)
     weights[0, :32] = 0.0  # a block of zeros: scale 0
     data = _blocks_of(qtype, weights)
-    got = gguf_quants.dequantize(data, qtype, weights.shape, torch.device("cpu"))
+    got = gguf_quants.dequantize(data, qtype, weights.shape, torch.device(device))
     want = gguf.quants.dequantize(data, qtype).reshape(weights.shape)
     assert got.dtype == torch.float32 and got.shape == weights.shape
-    assert np.array_equal(got.numpy().view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert got.device.type == device
+    assert np.array_equal(got.cpu().numpy().view(np.uint32),
+                          want.astype(np.float32).view(np.uint32))
 
 
 def test_other_types_are_left_to_the_gguf_package():

@@ -127,7 +127,7 @@ def test_a_first_chunk_after_a_copied_opening_is_one_padded_causal_square(heads,
     backend = make(heads)
     prior, tokens = 59, 500
     q, k, v = inputs(prior + tokens, heads, seed=1)
-    o = torch.full((tokens,) + q.shape[1:], float("nan"))
+    o = q.new_full((tokens,) + q.shape[1:], float("nan"))
     assert backend._first_chunk(q[prior:], k[prior:], v[prior:], o, k[:prior], v[:prior])
     assert cudnn.calls == [(True, 2 * CHUNK_ROWS, 2 * CHUNK_ROWS)]
     assert_causal(o, q, k, v, backend.sm_scale, skip=prior)
@@ -158,7 +158,7 @@ def test_a_later_chunk_reads_its_earlier_tokens_from_the_pool_in_two_merged_part
     q, k, v = inputs(prior + tokens, heads, seed=2)
     k_buf, v_buf = backend.pool.k_buffers[0], backend.pool.v_buffers[0]
     k_buf[first_slot:first_slot + prior], v_buf[first_slot:first_slot + prior] = k[:prior], v[:prior]
-    o = torch.full((tokens,) + q.shape[1:], float("nan"))
+    o = q.new_full((tokens,) + q.shape[1:], float("nan"))
     assert backend._fused_chunk(q[prior:], k[prior:], v[prior:], o, k_buf, v_buf, first_slot,
                                 prior)
     assert backend._chunk_ok and flash.calls == []
@@ -177,7 +177,7 @@ def test_a_later_chunk_after_a_short_prior_goes_as_a_first_chunk(routed):
     q, k, v = inputs(prior + tokens, HEADS[1], seed=3)
     k_buf, v_buf = backend.pool.k_buffers[0], backend.pool.v_buffers[0]
     k_buf[:prior], v_buf[:prior] = k[:prior], v[:prior]
-    o = torch.full((tokens,) + q.shape[1:], float("nan"))
+    o = q.new_full((tokens,) + q.shape[1:], float("nan"))
     assert backend._fused_chunk(q[prior:], k[prior:], v[prior:], o, k_buf, v_buf, 0, prior)
     assert flash.calls == [(True, prior + tokens, prior + tokens)] and cudnn.calls == []
     assert_causal(o, q, k, v, backend.sm_scale, skip=prior)
