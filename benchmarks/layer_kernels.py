@@ -20,8 +20,8 @@ contiguous-document variants over their tiles and split counts at 16k/256 or --c
 from __future__ import annotations
 
 import argparse
-import json
 import functools
+import json
 import math
 import os
 import subprocess

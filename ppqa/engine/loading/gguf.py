@@ -159,12 +159,10 @@ def config_from_gguf(reader: Any, path: Path, tensors: dict[str, Any]) -> ModelC
 def _dequantize(tensor: Any) -> np.ndarray:
     import gguf
 
-    # Shapes in GGUF are reversed (innermost first); numpy's are [out, in] like torch's.
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # F32 tensors come back as read-only views of the memory map; torch wants its own copy.
     return np.array(data, dtype=np.float32, copy=not data.flags.writeable or data.dtype != np.float32
-                    ).reshape(shape)
+                    ).reshape(tensor.torch_shape)
 
 
 def _weights(path: Path, config: ModelConfig, arch: str, device: torch.device,
@@ -175,8 +173,8 @@ def _weights(path: Path, config: ModelConfig, arch: str, device: torch.device,
         if name is None:
             continue
         try:
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            weight = gguf_quants.dequantize(tensor.data, tensor.tensor_type, shape, device)
+            weight = gguf_quants.dequantize(tensor.data, tensor.tensor_type, tensor.torch_shape,
+                                            device)
             if weight is None:  # a type torch does not unpack here: gguf's numpy code
                 weight = torch.from_numpy(_dequantize(tensor))
         except Exception as e:  # noqa: BLE001 -- a truncated mmap or an unknown quant type
@@ -203,8 +201,7 @@ def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loaded
     config = config_from_gguf(reader, path, tensors)
     arch = _field(reader, "general.architecture")
     expected = _expected_shapes(config)
-    found = {hf_name(n): tuple(int(d) for d in reversed(t.shape.tolist()))
-             for n, t in tensors.items() if hf_name(n) is not None}
+    found = {hf_name(n): t.torch_shape for n, t in tensors.items() if hf_name(n) is not None}
     missing = sorted(set(expected) - set(found))
     wrong = [f"{n} {found[n]} != {expected[n]}" for n in expected if n in found and found[n] != expected[n]]
     unknown = sorted(n for n in tensors if hf_name(n) is None and n not in _IGNORED)
@@ -251,12 +248,13 @@ def _forget_earlier_versions(path: Path, saved: Path) -> None:
     """Mark `saved` as the tokenizer of `path`'s real file (a `source` file beside it) and
     delete the tokenizers saved for earlier versions of that file (same path, another size
     or modification time): each is a few MB that nothing reads again."""
-    real = str(path.resolve())
+    resolved = path.resolve()
+    real = str(resolved)
     try:
         (saved / "source").write_text(real)
     except OSError:
         return
-    for other in saved.parent.glob(f"{glob.escape(path.resolve().stem)}-*"):
+    for other in saved.parent.glob(f"{glob.escape(resolved.stem)}-*"):
         if other == saved or not other.is_dir():
             continue
         try:

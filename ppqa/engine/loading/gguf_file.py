@@ -5,8 +5,8 @@ element of an array: SmolLM2's 49k-token vocabulary and its merges take it 3.4 s
 (benchmarks/NOTES.md, "CPU: a GGUF model's start-up"). `GGUFFile` reads the same header with
 `struct` into plain Python values (numeric arrays through `np.frombuffer`), and maps each tensor
 as `GGUFReader` does: a read-only view of the memory-mapped file, in the element type of
-float and integer tensors or as bytes in the quantized block layout, which `gguf.quants`
-dequantizes (engine/loading/gguf.py). Little-endian files of format versions 2 and 3 (what
+float and integer tensors or as bytes in the quantized block layout, which
+engine/loading/gguf_quants.py (or `gguf.quants`, for the types it does not unpack) dequantizes. Little-endian files of format versions 2 and 3 (what
 llama.cpp writes); anything else raises ValueError, as does a truncated or inconsistent file.
 """
 
@@ -36,6 +36,11 @@ class GGUFTensor:
     shape: np.ndarray  # the dimensions as stored: innermost first
     tensor_type: Any  # gguf.GGMLQuantizationType
     data: np.ndarray  # a read-only view of the file (elements, or bytes of quantized blocks)
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The dimensions outermost first, as numpy and torch order them ([out, in])."""
+        return tuple(int(d) for d in reversed(self.shape.tolist()))
 
 
 class GGUFFile:

@@ -5,7 +5,8 @@
 would be about a minute for an 8B model. Here the raw blocks go to the target device as bytes
 and unpack there, with the same float32 arithmetic in the same order as `gguf.quants` (a
 multiply, then an add), so the results are the same bits (tests/test_loader_gguf.py). Types
-not listed in `TYPES` (the k-quants and the rest) return None and stay with `gguf.quants`.
+not listed in `TYPES` (Q5_0/Q5_1, Q2_K, Q3_K, the IQ types and the rest) return None and stay
+with `gguf.quants`.
 
 Block layouts (ggml, little-endian), 32 weights a block:
     Q8_0  f16 scale d, 32 int8 q:              w = d * q
