@@ -89,6 +89,9 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     docproduct)  # cascade's document part: ours against torch's cuDNN and FlashAttention
       step docproduct 150 python3 benchmarks/doc_product.py ${DOCPRODUCT_ARGS:-} \
         --out "$OUT/doc_product.json" ;;
+    firstchunk)  # a first prefill chunk's causal attention: our kernel's tiles, FlashAttention, cuDNN
+      step firstchunk 240 python3 benchmarks/first_chunk.py ${FIRSTCHUNK_ARGS:-} \
+        --out "$OUT/first_chunk.json" ;;
     sdpa)  # what a new sequence length costs a document's first chunk (cuDNN plans)
       step sdpa 150 python3 benchmarks/sdpa_lengths.py ${SDPA_ARGS:-} --out "$OUT/sdpa_lengths.json" ;;
     prefillab)  # a document's later chunks: the extend kernel against cuDNN with its lse
