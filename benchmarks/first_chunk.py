@@ -1,9 +1,9 @@
 """A document's first prefill chunk, one layer's causal attention, by each path the engine has
 (GPU, bf16): our Triton kernel (`kernels/causal_prefill.py`) under several tile shapes and with
-and without tensor descriptors, against torch's FlashAttention and cuDNN as the engine calls
-them (`fused_chunks.flash_causal`, `fused_chunks.chunk_attention`: layout copies and cuDNN's
-rows padded to a multiple of 512 included), cuDNN's first call at each length (its plan)
-apart. Inputs are views split from one packed qkv row per token, as a layer's projection
+and without tensor descriptors, against torch's FlashAttention (heads-first copies in and out,
+as the engine called it before our kernel) and cuDNN as the engine calls it
+(`fused_chunks.chunk_attention`: its rows padded to a multiple of 512), cuDNN's first call at
+each length (its plan) apart. Inputs are views split from one packed qkv row per token, as a layer's projection
 gives them. Times are CUDA events over repeated calls after one untimed call.
 
     python3 benchmarks/first_chunk.py --out /tmp/first_chunk.json
@@ -24,6 +24,7 @@ import time
 from dataclasses import astuple
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ppqa.engine.attention import fused_chunks
 from ppqa.kernels import _arch
@@ -88,12 +89,16 @@ def run_case(model: str, heads, tokens: int, device, dtype, tiles_list, reps: in
         o_flash, o_cudnn = torch.empty_like(q), torch.empty_like(q)
 
         def flash():
-            fused_chunks.flash_causal(q, k, v, k[:0], v[:0], o_flash, scale)
+            qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qh, kh, vh, is_causal=True, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
+            o_flash.copy_(out[0].transpose(0, 1))
 
         def cudnn():
             fused_chunks.chunk_attention(q, k, v, k[:0], v[:0], o_cudnn, scale)
 
-        add("flash (engine's call)", timed_ms(flash, device, reps))
+        add("flash", timed_ms(flash, device, reps))
         truth = o_flash.float()
         try:
             first = first_call_ms(cudnn, device)

@@ -143,7 +143,7 @@ def engine_part(model: str, lengths: list[int], seed: int) -> list[dict]:
         rows.append({"part": "engine", "model": model, "set": attempt,
                      "lengths": got, "ms": times, "mean_ms": statistics.mean(times),
                      "compiles": compiled})
-    backends = [str(b) for b in (eng.parts.backend._causal_backends or ())]
+    backends = [eng.parts.backend.causal_path]
     return [{"part": "engine-warmup", "model": model, "seconds": warm,
              "causal_backends": backends}] + rows
 

@@ -220,41 +220,44 @@ def test_flashinfer_backend_refuses_what_it_cannot_run() -> None:
         EngineConfig(attention_backend="flashattention")
 
 
-def test_a_first_chunk_row_class_goes_to_cudnn_once_flash_has_cost_a_plan(monkeypatch) -> None:
-    """`flash_first` (which fused kernel takes a document's first chunk): FlashAttention until
+def test_a_first_chunk_row_class_goes_to_cudnn_once_ours_has_cost_a_plan(monkeypatch) -> None:
+    """`triton_first` (our causal kernel or cuDNN for a document's first chunk): ours until
     what it has cost over cuDNN's rate on the class's padded rows reaches one cuDNN plan, then
     cuDNN for good. Documents of different lengths in one row class pay together; a 16k chunk
-    of a 32-layer model gets there within its first document, a ~5.5k-token document of
-    Qwen2.5-7B (28 layers) within a few; a class whose padding costs cuDNN more than its rate
-    gains stays on FlashAttention."""
+    of a 32-layer model gets there within its first two documents, a ~5.5k-token document of
+    Qwen2.5-7B (28 layers) after several; a chunk whose padding costs cuDNN more than its rate
+    gains runs ours."""
     from ppqa.engine.attention import fused_chunks as fc
 
-    monkeypatch.setattr(fc, "_CAUSAL_FLASH_LOSS", {})
+    monkeypatch.setattr(fc, "_CAUSAL_TRITON_LOSS", {})
 
-    def documents_on_flash(lengths, heads, head_dim, layers, limit=1000):
-        """Documents of these lengths in turn, a call a layer: how many ran FlashAttention
+    def documents_on_ours(lengths, heads, head_dim, layers, limit=1000):
+        """Documents of these lengths in turn, a call a layer: how many ran our kernel
         throughout before a call went to cuDNN (None if none did within `limit`)."""
         for n in range(limit):
             rows = lengths[n % len(lengths)]
             padded, loss = fc.first_chunk_class(rows, heads, head_dim)
-            if not all(fc.flash_first(("test", padded, heads), loss) for _ in range(layers)):
+            if not all(fc.triton_first(("test", padded, heads), loss) for _ in range(layers)):
                 return n
         return None
 
     padded, loss = fc.first_chunk_class(16384, 32, 128)
     assert padded == 16384 and loss > 0
-    assert documents_on_flash([16384], 32, 128, 32) == 0  # cuDNN within the first document
-    assert not fc.flash_first(("test", 16384, 32), loss)  # and for good
+    assert documents_on_ours([16384], 32, 128, 32) <= 1
+    assert not fc.triton_first(("test", 16384, 32), loss)  # and for good
     # Two lengths of one class (5,632 rows), alternating, pay one rent between them.
     assert {fc.first_chunk_class(n, 28, 128)[0] for n in (5300, 5600)} == {5632}
-    alone = documents_on_flash([5300], 28, 128, 28)
-    monkeypatch.setattr(fc, "_CAUSAL_FLASH_LOSS", {})
-    assert documents_on_flash([5300, 5600], 28, 128, 28) <= alone
-    assert 2 <= alone <= 8
-    # 513 rows run as 1,024 on cuDNN: four times the work, more than its rate gains.
+    alone = documents_on_ours([5300], 28, 128, 28)
+    monkeypatch.setattr(fc, "_CAUSAL_TRITON_LOSS", {})
+    both = documents_on_ours([5300, 5600], 28, 128, 28)
+    assert alone is not None and both is not None and 2 <= both <= alone
+    # 513 rows run as 1,024 on cuDNN: four times the work, more than its rate gains, even
+    # in a class that has gone to cuDNN.
     padded, loss = fc.first_chunk_class(513, 32, 128)
     assert padded == 1024 and loss < 0
-    assert documents_on_flash([513], 32, 128, 32, limit=200) is None
+    assert documents_on_ours([513], 32, 128, 32, limit=200) is None
+    monkeypatch.setattr(fc, "_CAUSAL_TRITON_LOSS", {("test", 1024, 32): None})
+    assert fc.triton_first(("test", 1024, 32), loss)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""A document's first prefill chunk in bf16 goes through torch's fused causal attention
+"""A document's first prefill chunk in bf16 goes through our causal kernel or cuDNN
 (`TritonBackend._first_chunk`); it must give what the extend kernel gives for the same chunk
 (the stream rule with every token a document token is plain causal attention)."""
 
@@ -34,7 +34,7 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
     k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
     fused = backend.forward(0, q, k, v, meta)
-    assert backend._causal_backends, "no fused causal backend took the chunk"
+    assert backend.causal_path in ("triton", "cudnn"), "the extend kernel took the chunk"
     kernel = backend.forward(0, q, k, v, dataclasses.replace(meta, plain_causal=False))
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(h // hk, 0),
@@ -48,19 +48,17 @@ def test_first_chunk_fused_causal_matches_the_extend_kernel(model):
 
 @pytest.mark.parametrize("model", ["tiny-gqa", "tiny-hd128"])
 @pytest.mark.parametrize("plan_seconds", [1e-12, None])
-def test_a_first_chunk_row_class_runs_flash_until_it_has_cost_cudnns_plan(model, plan_seconds,
-                                                                         monkeypatch):
-    """A first chunk's row class (rows padded to CHUNK_ROWS) runs through FlashAttention
-    (cuDNN would build a plan for it) until the time that cost over cuDNN adds up to a plan:
-    with a plan that costs next to nothing, cuDNN takes the second call; with the real plan's
-    cost, a short chunk of a tiny model stays on FlashAttention. A chunk of another length in
-    the same class after a copied opening of 59 tokens follows the class's choice. All are
-    causal attention."""
-    from torch.nn.attention import SDPBackend
-
+def test_a_first_chunk_row_class_runs_ours_until_it_has_cost_cudnns_plan(model, plan_seconds,
+                                                                        monkeypatch):
+    """A first chunk's row class (rows padded to CHUNK_ROWS) runs through our kernel (cuDNN
+    would build a plan for it) until the time that cost over cuDNN adds up to a plan: with a
+    plan that costs next to nothing, cuDNN takes the second call; with the real plan's cost,
+    a short chunk of a tiny model stays on ours. A chunk of another length in the same class
+    after a copied opening of 59 tokens follows the class's choice. All are causal
+    attention."""
     from ppqa.engine.attention import fused_chunks
 
-    monkeypatch.setattr(fused_chunks, "_CAUSAL_FLASH_LOSS", {})
+    monkeypatch.setattr(fused_chunks, "_CAUSAL_TRITON_LOSS", {})
     if plan_seconds is not None:
         monkeypatch.setattr(fused_chunks, "CUDNN_PLAN_SECONDS", plan_seconds)
     tokens = 1000  # class 1,024: cuDNN's padding costs less than its rate gains
@@ -81,19 +79,19 @@ def test_a_first_chunk_row_class_runs_flash_until_it_has_cost_cudnns_plan(model,
         k = torch.randn(tokens, hk, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(tokens, hk, d, device="cuda", dtype=torch.bfloat16)
         got = backend.forward(0, q, k, v, meta)
-        used.append(backend.causal_backend_used)
+        used.append(backend.causal_path)
         ref = _causal_reference(q, k, v)
         err = (got.float() - ref).norm() / ref.norm()
         assert err < 1e-2, err
-    second = SDPBackend.FLASH_ATTENTION if plan_seconds is None else SDPBackend.CUDNN_ATTENTION
-    assert used == [SDPBackend.FLASH_ATTENTION, second]
+    second = "triton" if plan_seconds is None else "cudnn"
+    assert used == ["triton", second]
     prior, rows = 59, 959
     q = torch.randn(rows, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(rows, hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(rows, hk, d, device="cuda", dtype=torch.bfloat16)
     got = torch.full((rows - prior, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     assert backend._first_chunk(q[prior:], k[prior:], v[prior:], got, k[:prior], v[:prior])
-    assert backend.causal_backend_used == second
+    assert backend.causal_path == second
     ref = _causal_reference(q, k, v)[prior:]
     err = (got.float() - ref).norm() / ref.norm()
     assert torch.isfinite(got).all() and err < 1e-2, err

@@ -1,17 +1,16 @@
-"""How `TritonBackend` routes a document's prefill chunks to torch's fused attention
-(`fused_chunks`), on the CPU: which backend takes a first chunk, what falls back when one
-refuses, and that the padding, the copied-opening square and the later chunk's two parts with
-their merge give causal attention. cuDNN and FlashAttention run only on a GPU, so here each is
-stood in by a float64 attention with its log-sum-exp that records the shapes it was handed (or
-refuses, as they do with shapes they do not take); tests/gpu/test_fused_causal.py runs the
-real ones."""
+"""How `TritonBackend` routes a document's prefill chunks to our causal kernel and to cuDNN
+(`fused_chunks`), on the CPU: which path takes a first chunk, when a row class moves to cuDNN,
+what runs when cuDNN refuses, and that the padding, the copied-opening square and the later
+chunk's two parts with their merge give causal attention. Our kernel runs for real (Triton's
+interpreter); cuDNN runs only on a GPU, so here it is stood in by a float64 attention with its
+log-sum-exp that records the shapes it was handed (or refuses, as cuDNN does with shapes it
+does not take); tests/gpu/test_fused_causal.py runs the real one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from checks import ATOL, DEVICE, HEADS
-from torch.nn.attention import SDPBackend
 
 from ppqa.engine.attention import fused_chunks, triton_backend
 from ppqa.engine.attention.fused_chunks import CHUNK_ROWS
@@ -54,24 +53,15 @@ class Recorder:
             refuse()
         return reference_with_lse(q, k, v, causal=causal, scale=scale)
 
-    def flash(self, q, k, v, k_prior, v_prior, o, scale):
-        self.calls.append((True, k_prior.shape[0] + q.shape[0], k_prior.shape[0] + k.shape[0]))
-        if not self.works:
-            refuse()
-        whole = causal_reference(torch.cat([q.new_zeros((k_prior.shape[0],) + q.shape[1:]), q]),
-                                 torch.cat([k_prior, k]), torch.cat([v_prior, v]), scale)
-        o.copy_(whole[k_prior.shape[0]:])
-
 
 @pytest.fixture
 def routed(monkeypatch):
-    """(backend maker, cuDNN stand-in, FlashAttention stand-in) with fp32 tensors taken as
-    fusable and the first-chunk rent reset."""
-    cudnn, flash = Recorder(), Recorder()
+    """(backend maker, cuDNN stand-in) with fp32 tensors taken as fusable and the first-chunk
+    rent reset."""
+    cudnn = Recorder()
     monkeypatch.setattr(triton_backend, "fusable", lambda q: True)
     monkeypatch.setattr(fused_chunks, "cudnn_attention", cudnn.cudnn)
-    monkeypatch.setattr(triton_backend, "flash_causal", flash.flash)
-    monkeypatch.setattr(fused_chunks, "_CAUSAL_FLASH_LOSS", {})
+    monkeypatch.setattr(fused_chunks, "_CAUSAL_TRITON_LOSS", {})
 
     def make(heads):
         num_heads, kv_heads, dim = heads
@@ -79,7 +69,7 @@ def routed(monkeypatch):
                       device=DEVICE)
         return TritonBackend(pool, num_heads, kv_heads, dim, dim ** -0.5,
                              scratch_bytes=1 << 20)
-    return make, cudnn, flash
+    return make, cudnn
 
 
 def inputs(tokens: int, heads, seed: int = 0):
@@ -96,54 +86,76 @@ def assert_causal(got, q, k, v, scale, skip: int = 0):
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-def test_a_first_chunk_takes_flash_then_cudnn_when_flash_refuses(heads, routed):
-    make, cudnn, flash = routed
+def test_a_first_chunk_takes_our_kernel_until_its_class_has_paid_cudnns_plan(heads, routed,
+                                                                            monkeypatch):
+    """A row class runs our kernel until what it has cost over cuDNN's rate adds up to one
+    plan, then cuDNN (its rows padded to the class) for good; a chunk whose padding costs
+    cuDNN more than its rate gains stays on ours."""
+    make, cudnn = routed
     backend = make(heads)
-    q, k, v = inputs(40, heads)
+    tokens = CHUNK_ROWS - 12
+    _, loss = fused_chunks.first_chunk_class(tokens, heads[0], heads[2])
+    assert loss > 0
+    monkeypatch.setattr(fused_chunks, "CUDNN_PLAN_SECONDS", 1.5 * loss)
+    q, k, v = inputs(tokens, heads)
+    paths = []
+    for _ in range(4):
+        o = torch.full_like(q, float("nan"))
+        assert backend._first_chunk(q, k, v, o)
+        paths.append(backend.causal_path)
+        assert_causal(o, q, k, v, backend.sm_scale)
+    assert paths == ["triton", "triton", "cudnn", "cudnn"]
+    assert cudnn.calls == [(True, CHUNK_ROWS, CHUNK_ROWS)] * 2
+    q, k, v = inputs(40, heads, seed=4)  # 40 rows padded to 512: ours
     o = torch.full_like(q, float("nan"))
-    # 40 rows padded to 512 cost cuDNN more than its rate gains: FlashAttention first.
     assert backend._first_chunk(q, k, v, o)
-    assert backend.causal_backend_used == SDPBackend.FLASH_ATTENTION and cudnn.calls == []
-    assert flash.calls == [(True, 40, 40)]
+    assert backend.causal_path == "triton" and len(cudnn.calls) == 2
     assert_causal(o, q, k, v, backend.sm_scale)
-    # FlashAttention refusing a shape drops it for good; cuDNN runs the rows padded.
-    flash.works = False
-    o = torch.full_like(q, float("nan"))
-    assert backend._first_chunk(q, k, v, o)
-    assert backend.causal_backend_used == SDPBackend.CUDNN_ATTENTION
-    assert cudnn.calls == [(True, CHUNK_ROWS, CHUNK_ROWS)]
-    assert SDPBackend.FLASH_ATTENTION not in backend._causal_backends
-    assert_causal(o, q, k, v, backend.sm_scale)
-    assert backend._first_chunk(q, k, v, torch.empty_like(q))
-    assert len(flash.calls) == 2  # not asked again
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-def test_a_first_chunk_after_a_copied_opening_is_one_padded_causal_square(heads, routed):
-    """A short prior (a template's opening copied from a cached document): one causal call over
-    prior + chunk rows, padded to a multiple of CHUNK_ROWS, the prior rows' outputs dropped."""
-    make, cudnn, flash = routed
-    flash.works = False
+def test_a_first_chunk_after_a_copied_opening_is_one_causal_square(heads, routed,
+                                                                   monkeypatch):
+    """A short prior (a template's opening copied from a cached document): through cuDNN one
+    causal call over prior + chunk rows, padded to a multiple of CHUNK_ROWS, the prior rows'
+    outputs dropped; through our kernel the chunk's rows over prior + chunk keys."""
+    make, cudnn = routed
     backend = make(heads)
-    prior, tokens = 59, 500
+    prior, tokens = 59, 450
     q, k, v = inputs(prior + tokens, heads, seed=1)
     o = q.new_full((tokens,) + q.shape[1:], float("nan"))
     assert backend._first_chunk(q[prior:], k[prior:], v[prior:], o, k[:prior], v[:prior])
-    assert cudnn.calls == [(True, 2 * CHUNK_ROWS, 2 * CHUNK_ROWS)]
+    assert backend.causal_path == "triton" and cudnn.calls == []
+    assert_causal(o, q, k, v, backend.sm_scale, skip=prior)
+    monkeypatch.setattr(fused_chunks, "CUDNN_PLAN_SECONDS", 0.0)
+    o = q.new_full((tokens,) + q.shape[1:], float("nan"))
+    assert backend._first_chunk(q[prior:], k[prior:], v[prior:], o, k[:prior], v[:prior])
+    assert backend.causal_path == "cudnn"
+    assert cudnn.calls == [(True, CHUNK_ROWS, CHUNK_ROWS)]
     assert_causal(o, q, k, v, backend.sm_scale, skip=prior)
 
 
-def test_no_fused_backend_leaves_the_chunk_to_the_extend_kernel(routed):
-    make, cudnn, flash = routed
-    cudnn.works = flash.works = False
+def test_where_cudnn_refuses_our_kernel_runs_and_cudnn_is_not_asked_again(routed, monkeypatch):
+    make, cudnn = routed
+    cudnn.works = False
+    monkeypatch.setattr(fused_chunks, "CUDNN_PLAN_SECONDS", 0.0)  # cuDNN from the first call
+    backend = make(HEADS[0])
+    q, k, v = inputs(CHUNK_ROWS - 12, HEADS[0])
+    for _ in range(2):
+        o = torch.full_like(q, float("nan"))
+        assert backend._first_chunk(q, k, v, o)
+        assert backend.causal_path == "triton"
+        assert_causal(o, q, k, v, backend.sm_scale)
+    assert len(cudnn.calls) == 1 and backend._cudnn_causal is False
+
+
+def test_not_fusable_leaves_the_chunk_to_the_extend_kernel(routed, monkeypatch):
+    make, cudnn = routed
+    monkeypatch.setattr(triton_backend, "fusable", lambda q: False)
     backend = make(HEADS[0])
     q, k, v = inputs(40, HEADS[0])
     assert not backend._first_chunk(q, k, v, torch.empty_like(q))
-    assert backend._causal_backends == ()
-    asked = len(cudnn.calls) + len(flash.calls)
-    assert asked == 2
-    assert not backend._first_chunk(q, k, v, torch.empty_like(q))
-    assert len(cudnn.calls) + len(flash.calls) == asked  # neither asked again
+    assert backend.causal_path is None and cudnn.calls == []
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
@@ -152,7 +164,7 @@ def test_a_later_chunk_reads_its_earlier_tokens_from_the_pool_in_two_merged_part
     """After more than CHUNK_ROWS earlier tokens in one slot run, a chunk is two cuDNN calls
     (the earlier keys unmasked, exact; the chunk's own causal, its rows padded), merged by
     their log-sum-exp; where cuDNN refuses, the chunk is left to the extend kernel."""
-    make, cudnn, flash = routed
+    make, cudnn = routed
     backend = make(heads)
     first_slot, prior, tokens = 7, CHUNK_ROWS + 88, 30
     q, k, v = inputs(prior + tokens, heads, seed=2)
@@ -161,7 +173,7 @@ def test_a_later_chunk_reads_its_earlier_tokens_from_the_pool_in_two_merged_part
     o = q.new_full((tokens,) + q.shape[1:], float("nan"))
     assert backend._fused_chunk(q[prior:], k[prior:], v[prior:], o, k_buf, v_buf, first_slot,
                                 prior)
-    assert backend._chunk_ok and flash.calls == []
+    assert backend._chunk_ok and backend.causal_path is None
     assert sorted(cudnn.calls) == [(False, CHUNK_ROWS, prior), (True, CHUNK_ROWS, CHUNK_ROWS)]
     assert_causal(o, q, k, v, backend.sm_scale, skip=prior)
     cudnn.works = False
@@ -171,7 +183,7 @@ def test_a_later_chunk_reads_its_earlier_tokens_from_the_pool_in_two_merged_part
 
 
 def test_a_later_chunk_after_a_short_prior_goes_as_a_first_chunk(routed):
-    make, cudnn, flash = routed
+    make, cudnn = routed
     backend = make(HEADS[1])
     prior, tokens = 100, 60
     q, k, v = inputs(prior + tokens, HEADS[1], seed=3)
@@ -179,7 +191,7 @@ def test_a_later_chunk_after_a_short_prior_goes_as_a_first_chunk(routed):
     k_buf[:prior], v_buf[:prior] = k[:prior], v[:prior]
     o = q.new_full((tokens,) + q.shape[1:], float("nan"))
     assert backend._fused_chunk(q[prior:], k[prior:], v[prior:], o, k_buf, v_buf, 0, prior)
-    assert flash.calls == [(True, prior + tokens, prior + tokens)] and cudnn.calls == []
+    assert backend.causal_path == "triton" and cudnn.calls == []
     assert_causal(o, q, k, v, backend.sm_scale, skip=prior)
 
 

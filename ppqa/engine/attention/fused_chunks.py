@@ -1,10 +1,10 @@
-"""Torch's fused attention (cuDNN, FlashAttention) for a document's prefill chunks, exact
-attention at the matrix units' rate where the extend kernel runs these shapes slower
-(benchmarks/RESULTS.md, "Prefill"). `TritonBackend` sends a document's first chunk here
-(`flash_first` chooses FlashAttention or cuDNN per row class) and a later chunk of a document
-held in one slot run (`chunk_attention`: two cuDNN calls with their log-sum-exp, merged).
-bf16/fp16 on a GPU only (`fusable`); every caller falls back to the Triton kernels where a
-fused backend refuses a shape.
+"""Torch's cuDNN attention for a document's prefill chunks, exact attention at the matrix
+units' rate where the extend kernel runs these shapes slower (benchmarks/RESULTS.md,
+"Prefill"). `TritonBackend` sends a document's first chunk to cuDNN or to our causal kernel
+(`kernels/causal_prefill.py`; `triton_first` chooses per row class) and a later chunk of a
+document held in one slot run here (`chunk_attention`: two cuDNN calls with their
+log-sum-exp, merged). bf16/fp16 on a GPU only (`fusable`); every caller falls back to the
+Triton kernels where cuDNN refuses a shape.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from ppqa.kernels.merge import merge_attention_states
 # (chunk_attention): cuDNN builds a plan per shape, ~40 ms each.
 CHUNK_ROWS = 512
 
-# A first chunk's causal attention: FlashAttention plans nothing and runs at ~280 TFLOP/s;
-# cuDNN runs at ~580 once it holds a plan for the shape, which takes 38-51 ms to build
-# (benchmarks/RESULTS.md, "A first chunk's length"; results/h200/sdpa_lengths_s14c1.json).
-FLASH_CAUSAL_FLOPS = 280e12
+# A first chunk's causal attention: our kernel plans nothing (one compiled variant serves every
+# length) and runs at ~TRITON_CAUSAL_FLOPS; cuDNN runs at ~580 once it holds a plan for the
+# shape, which takes 38-51 ms to build (benchmarks/RESULTS.md, "A first chunk's length";
+# results/h200/sdpa_lengths_s14c1.json, first_chunk_s36c3.json).
+TRITON_CAUSAL_FLOPS = 400e12
 CUDNN_CAUSAL_FLOPS = 580e12
 CUDNN_PLAN_SECONDS = 0.045
 # Per first-chunk row class (rows padded to CHUNK_ROWS, heads, KV heads, head size, dtype,
-# device) run in this process: the seconds its FlashAttention calls have cost over cuDNN's
-# rate; None once cuDNN takes it.
-_CAUSAL_FLASH_LOSS: dict[tuple, float | None] = {}
+# device) run in this process: the seconds our kernel's calls have cost over cuDNN's rate;
+# None once cuDNN takes it.
+_CAUSAL_TRITON_LOSS: dict[tuple, float | None] = {}
 
 
 def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
@@ -36,34 +37,36 @@ def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
 
 def first_chunk_class(rows: int, heads: int, head_dim: int) -> tuple[int, float]:
     """A first chunk's square of `rows` rows: its row class (the rows cuDNN runs, padded to a
-    multiple of CHUNK_ROWS) and the seconds FlashAttention at the exact rows takes over cuDNN
-    at the padded ones, at their rates (negative where the padding costs more)."""
+    multiple of CHUNK_ROWS) and the seconds our kernel at the exact rows takes over cuDNN at
+    the padded ones, at their rates (negative where the padding costs more)."""
     padded = -(-rows // CHUNK_ROWS) * CHUNK_ROWS
-    return padded, (causal_flops(rows, heads, head_dim) / FLASH_CAUSAL_FLOPS
+    return padded, (causal_flops(rows, heads, head_dim) / TRITON_CAUSAL_FLOPS
                     - causal_flops(padded, heads, head_dim) / CUDNN_CAUSAL_FLOPS)
 
 
-def flash_first(row_class: tuple, loss: float) -> bool:
-    """Whether this first chunk of a row class goes to FlashAttention before cuDNN; `loss` is
-    the seconds FlashAttention takes over cuDNN on it (cuDNN's rows padded to the class). A
-    class runs through FlashAttention until what that has cost adds up to one of cuDNN's
-    plans, then through cuDNN for good (rent until the rent paid equals the price: at most
-    twice the best choice made knowing how often the class comes). A class whose padding costs
-    cuDNN more than its rate gains (loss <= 0) stays on FlashAttention. A 5.7k-token document
-    of Qwen2.5-7B loses ~10 ms over its 28 layers, so its class goes to cuDNN at its fifth
-    document; a 16k chunk within its first document."""
-    lost = _CAUSAL_FLASH_LOSS.get(row_class, 0.0)
+def triton_first(row_class: tuple, loss: float) -> bool:
+    """Whether this first chunk of a row class goes to our kernel before cuDNN; `loss` is the
+    seconds ours takes over cuDNN on it (cuDNN's rows padded to the class). A class runs
+    through our kernel until what that has cost adds up to one of cuDNN's plans, then through
+    cuDNN for good (rent until the rent paid equals the price: at most twice the best choice
+    made knowing how often the class comes). A chunk whose padding costs cuDNN more than its
+    rate gains (loss <= 0) runs ours whatever its class chose. A 16k chunk of a 7B model pays
+    within its first two documents; a 5.7k-token document of Qwen2.5-7B loses a few ms over
+    its 28 layers, so its class goes to cuDNN only after ten or more documents."""
+    if loss <= 0:
+        return True
+    lost = _CAUSAL_TRITON_LOSS.get(row_class, 0.0)
     if lost is None:
         return False
     if lost >= CUDNN_PLAN_SECONDS:
-        _CAUSAL_FLASH_LOSS[row_class] = None
+        _CAUSAL_TRITON_LOSS[row_class] = None
         return False
-    _CAUSAL_FLASH_LOSS[row_class] = lost + max(loss, 0.0)
+    _CAUSAL_TRITON_LOSS[row_class] = lost + loss
     return True
 
 
 def fusable(q: torch.Tensor) -> bool:
-    """Torch's fused (cuDNN, FlashAttention) kernels take bf16/fp16 on a GPU only."""
+    """The fused first-chunk paths (cuDNN, our causal kernel) take bf16/fp16 on a GPU only."""
     return q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda"
 
 
@@ -80,7 +83,7 @@ def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None)
     ms the GPU idles, results/h200/gprof_quality_auto_s21c3.json, `cudnn_calls`); there the
     chunk is one causal call over P + T keys instead, the P earlier rows' queries zeros and
     their outputs dropped, so the padded total is the plan's only length (P = 0: a document's
-    first tokens; `TritonBackend._first_chunk` chooses between this and FlashAttention)."""
+    first tokens; `TritonBackend._first_chunk` chooses between this and our causal kernel)."""
     attend = attend or cudnn_attention
     group = q.shape[1] // k.shape[1]
     tokens, prior = q.shape[0], k_earlier.shape[0]
@@ -99,22 +102,6 @@ def chunk_attention(q, k, v, k_earlier, v_earlier, o, scale: float, attend=None)
     o_b, lse_b = attend(qh, heads_first(k, group, rows), heads_first(v, group, rows),
                         causal=True, scale=scale)
     merge_attention_states(o_a[:tokens], lse_a[:tokens], o_b[:tokens], lse_b[:tokens], o)
-
-
-def flash_causal(q, k, v, k_prior, v_prior, o, scale: float) -> None:
-    """`chunk_attention`'s short-prior square through torch's FlashAttention at its exact
-    rows: q [T, H, D] after the P earlier tokens k_prior/v_prior [P, Hkv, D], into o."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    prior = k_prior.shape[0]
-    if prior:
-        q = torch.cat([q.new_zeros((prior,) + q.shape[1:]), q])
-        k, v = torch.cat([k_prior, k]), torch.cat([v_prior, v])
-    qh, kh, vh = (x.unsqueeze(0).transpose(1, 2).contiguous() for x in (q, k, v))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1])
-    o.copy_(out[0, :, prior:].transpose(0, 1))
 
 
 def heads_first(x: torch.Tensor, group: int = 1, rows: int | None = None) -> torch.Tensor:

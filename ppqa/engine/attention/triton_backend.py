@@ -7,8 +7,8 @@ batch shape, the metadata's maxima and the SM count. Per layer, `forward`:
   2. "extend" (prefill, question prefill, every `parallel` decode step): `extend_attention`
      with the stream rule from meta.q_sid and pool.slot_sid; a document's first chunk
      (`meta.plain_causal`, or after a copied opening of at most CHUNK_ROWS tokens) in
-     bf16/fp16 through torch's fused causal attention instead, FlashAttention or cuDNN chosen
-     per row class (`flash_first`), and a later chunk of a document held in one slot run
+     bf16/fp16 through our causal kernel (`kernels/causal_prefill.py`) or cuDNN instead,
+     chosen per row class (`triton_first`), and a later chunk of a document held in one slot run
      (`meta.doc_prior`) as two cuDNN calls, the chunk against the earlier tokens (every key
      visible) and against itself (causal), merged by their log-sum-exp;
      "decode" (stock): `decode_attention` over row[kv_start, prefix_len + 1);
@@ -32,13 +32,14 @@ from dataclasses import dataclass
 import torch
 
 from ppqa.engine.attention.fused_chunks import (
-    CHUNK_ROWS, chunk_attention, first_chunk_class, flash_causal, flash_first, fusable,
+    CHUNK_ROWS, chunk_attention, first_chunk_class, fusable, triton_first,
 )
 from ppqa.engine.attention.metadata import ForwardMetadata
 from ppqa.kernels.cascade import (
     group_size_bound, launch_shared_prefix, prefix_splits, shared_prefix_attention,
     tiling as cascade_tiling,
 )
+from ppqa.kernels.causal_prefill import causal_attention
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
 from ppqa.kernels.kv_store import store_kv
@@ -76,10 +77,10 @@ class TritonBackend:
             scratch_bytes = GPU_SCRATCH_BYTES if self.device.type == "cuda" else CPU_SCRATCH_BYTES
         self.scratch = PartialScratch(scratch_bytes // 4, self.device)
         self._meta: ForwardMetadata | None = None
-        # The fused causal backends that take a document's first chunk: None until tried,
-        # () when none does, and the one that ran last (see _first_chunk).
-        self._causal_backends: tuple | None = None
-        self.causal_backend_used = None
+        # Whether cuDNN took a document's first chunk (None until tried), and the path that
+        # ran the last one: "cudnn" or "triton" (see _first_chunk).
+        self._cudnn_causal: bool | None = None
+        self.causal_path: str | None = None
         # Whether cuDNN with its log-sum-exp took a later document chunk: None until tried.
         self._chunk_ok: bool | None = None
         self._plan = StepPlan(1)
@@ -129,7 +130,7 @@ class TritonBackend:
         a causal call over the chunk and an unmasked one over the earlier keys. cuDNN
         builds each kind's kernel once per machine (0.7-1.5 s, kept across processes); a
         warm-up's documents need not meet every kind (a first chunk takes cuDNN only once its
-        row class has paid, `flash_first`; no warm-up document follows a copied opening), and
+        row class has paid, `triton_first`; no warm-up document follows a copied opening), and
         met in a job instead, each build leaves the GPU idle (results/h100/cudnn_plans_s33c4
         .json, gprof_paper_auto_first_s33c3.json). Returns the calls made: 0 where cuDNN
         takes no such tensors (not a GPU, not bf16/fp16, or shapes it refuses, where the
@@ -211,45 +212,35 @@ class TritonBackend:
         return o
 
     def _first_chunk(self, q, k, v, o, k_prior=None, v_prior=None) -> bool:
-        """A document's first chunk through torch's fused causal attention, exact attention at
-        the matrix units' rate where the extend kernel runs this shape at 160-170 TFLOP/s
-        (benchmarks/RESULTS.md, 'Prefill'). The chunk may follow a short prior (k_prior/
-        v_prior, at most CHUNK_ROWS tokens: a template's opening copied from a cached
-        document); then it is one causal square over prior + chunk rows whose prior rows'
-        queries are zeros and whose outputs are dropped. FlashAttention runs the square at its
-        exact rows and plans nothing; cuDNN runs it at its rows padded to a multiple of
-        CHUNK_ROWS (`chunk_attention`), so that every document of one row class shares the
-        plan it builds. `flash_first` decides per row class, whatever the document's opening.
-        bf16/fp16 on a GPU only; False when it does not apply or no fused backend takes the
-        shape, and the extend kernel runs instead."""
-        if self._causal_backends == () or not fusable(q):
+        """A document's first chunk, plain causal attention, through our causal kernel or
+        cuDNN, exact attention at the matrix units' rate where the extend kernel runs this
+        shape at 160-170 TFLOP/s (benchmarks/RESULTS.md, 'Prefill'). The chunk may follow a
+        short prior (k_prior/v_prior, at most CHUNK_ROWS tokens: a template's opening copied
+        from a cached document), which its rows see as well. Our kernel (`causal_attention`)
+        runs every length with one compiled variant; cuDNN runs the square at its rows padded
+        to a multiple of CHUNK_ROWS (`chunk_attention`), so that every document of one row
+        class shares the plan it builds. `triton_first` decides per row class, whatever the
+        document's opening; where cuDNN refuses, ours runs. bf16/fp16 on a GPU only; False
+        elsewhere, and the extend kernel runs instead."""
+        if not fusable(q):
             return False
-        from torch.nn.attention import SDPBackend
-
         prior = 0 if k_prior is None else k_prior.shape[0]
         tokens, heads, head_dim = q.shape
         padded, loss = first_chunk_class(prior + tokens, heads, head_dim)
-        working = self._causal_backends or (SDPBackend.CUDNN_ATTENTION,
-                                             SDPBackend.FLASH_ATTENTION)
         row_class = (padded, heads, k.shape[1], head_dim, q.dtype, q.device)
-        order = working
-        if flash_first(row_class, loss):
-            order = sorted(working, key=lambda b: b != SDPBackend.FLASH_ATTENTION)
-        if k_prior is None:
-            k_prior, v_prior = k[:0], v[:0]
-        for backend in order:
+        if self._cudnn_causal is not False and not triton_first(row_class, loss):
             try:
-                if backend == SDPBackend.FLASH_ATTENTION:
-                    flash_causal(q, k, v, k_prior, v_prior, o, self.sm_scale)
-                else:
-                    chunk_attention(q, k, v, k_prior, v_prior, o, self.sm_scale)
+                chunk_attention(q, k, v, *((k_prior, v_prior) if prior else (k[:0], v[:0])),
+                                o, self.sm_scale)
+                self._cudnn_causal, self.causal_path = True, "cudnn"
+                return True
             except (RuntimeError, TypeError):  # not taken here, or an op of another signature
-                working = tuple(b for b in working if b != backend)
-                continue
-            self._causal_backends, self.causal_backend_used = working, backend
-            return True
-        self._causal_backends = ()
-        return False
+                self._cudnn_causal = False
+        if prior:
+            k, v = torch.cat([k_prior, k]), torch.cat([v_prior, v])
+        causal_attention(q, k, v, o, self.sm_scale)
+        self.causal_path = "triton"
+        return True
 
     def _fused_chunk(self, q, k, v, o, k_buf, v_buf, first_slot: int, prior: int) -> bool:
         """A later prefill chunk of a document whose earlier `prior` tokens are the slot run
