@@ -79,7 +79,7 @@ def _causal_kernel(
     TMA: tl.constexpr,
 ):
     head = tl.program_id(0)
-    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest tiles first
+    m_tile = tl.program_id(1)  # the longest tiles first
     kvh = head // GROUP
 
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,7 +96,7 @@ def _causal_kernel(
 
     # Keys [0, shared) are visible to every row of the tile; the last row sees up to end - 1.
     shared = prior + m_tile * BLOCK_M + 1
-    end = tl.minimum(m_tile * BLOCK_M + BLOCK_M, num_tokens)
+    end = prior + tl.minimum(m_tile * BLOCK_M + BLOCK_M, num_tokens)
     diagonal = shared // BLOCK_N * BLOCK_N  # the first key tile that some row may not see
     key0 = tl.zeros([], tl.int32)  # k's row 0, a tensor (the interpreter's loop yields ints)
     tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, key0, 0, shared,
