@@ -64,7 +64,7 @@ def _causal_kernel(
     first = prior + m_tile * BLOCK_M
     whole = (first + 1) // BLOCK_N * BLOCK_N
     hi = tl.minimum(first + BLOCK_M, prior + tokens)
-    tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, 0, 0, whole,
+    tail, m_i, l_i, acc = tma_tiles(q, K_desc, V_desc, tl.full([], 0, tl.int32), 0, whole,
                                     (kvh * HEAD_DIM).to(tl.int32), scale_log2, m_i, l_i, acc,
                                     TMA, BLOCK_N, True, DOT_DT, P_DT, PREC, True)
     k_head = K + kvh * stride_kh
