@@ -1,7 +1,7 @@
 """The GPU libraries' first use in a process, on a thread beside the model's loading.
 
 A process's first Triton launch sets up Triton's runtime (its driver module, the backend, the
-launcher), its first GEMM loads cuBLAS, its first fused attention cuDNN and FlashAttention.
+launcher), its first GEMM loads cuBLAS, its first fused attention cuDNN.
 Where the Triton cache already holds the model's kernels, `ppqa run` runs no warm-up, so these
 costs fell inside the first job's prefill while the GPU waited: ~0.48 s at the first Triton
 kernel, ~0.10 s at the first GEMM, in the first pass of a fresh worker
@@ -97,8 +97,8 @@ def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
           head_dim: int, eps: float, vocab: int,
           prepared: threading.Thread | None = None) -> FirstUse:
     """Start the thread on a CUDA device (elsewhere nothing to set up: an empty `FirstUse`).
-    cuDNN and FlashAttention only in bf16/fp16, where the attention backend calls them (they
-    take no other dtype, and torch warns of each it refuses). The Triton launch is the model's
+    cuDNN only in bf16/fp16, where the attention backend calls it (it takes no other dtype,
+    and torch warns of each it refuses). The Triton launch is the model's
     own RMSNorm variant (its hidden size and dtype), which a warm Triton cache holds, so the
     thread loads it rather than compiling a new one; it waits for `prepared` (`prepare`'s
     thread) first, so that Triton's key is computed once."""
@@ -141,7 +141,6 @@ def start(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int,
             step("torch_ops", lambda: step_ops(device, dtype, vocab))
             if dtype in (torch.bfloat16, torch.float16):  # the fused kernels' dtypes
                 step("cudnn", attention("CUDNN_ATTENTION"))
-                step("flash", attention("FLASH_ATTENTION"))
             step("triton", triton_kernel)  # last: `prepared` has the longest to hash
             torch.cuda.synchronize(device)
 

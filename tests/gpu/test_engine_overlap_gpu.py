@@ -72,15 +72,15 @@ def test_time_charged_on_the_gpu_fits_in_the_session(tmp_path):
 
 
 def test_a_gpu_engine_makes_the_libraries_first_use_while_its_model_builds():
-    """engine/first_use.py: Triton's runtime, cuBLAS, cuDNN and FlashAttention are first used
-    on a thread beside the model's building, which has ended (joined) when the KV pool is
-    sized; the engine then answers as ever. An fp32 engine leaves out the fused attentions,
-    which take no fp32; a CPU engine starts no thread."""
+    """engine/first_use.py: Triton's runtime, cuBLAS and cuDNN are first used on a thread
+    beside the model's building, which has ended (joined) when the KV pool is sized; the
+    engine then answers as ever. An fp32 engine leaves out cuDNN's attention, which takes no
+    fp32; a CPU engine starts no thread."""
     eng = Engine("dummy:tiny-hd128", device="cuda", dtype="bfloat16",
                  config=EngineConfig(mem_fraction=0.05))
     first = eng.parts.first_use
     assert first.thread is None
-    assert set(first.seconds) == {"triton", "cublas", "torch_ops", "cudnn", "flash"}
+    assert set(first.seconds) == {"triton", "cublas", "torch_ops", "cudnn"}
     assert not {"triton", "cublas", "torch_ops"} & set(first.errors), first.errors
     got = eng.answer("a short document about first uses", ["what?"],
                      sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))
