@@ -18,10 +18,11 @@ from ppqa.kernels.merge import merge_attention_states
 CHUNK_ROWS = 512
 
 # A first chunk's causal attention: our kernel plans nothing (one compiled variant serves every
-# length) and runs at ~TRITON_CAUSAL_FLOPS; cuDNN runs at ~580 once it holds a plan for the
-# shape, which takes 38-51 ms to build (benchmarks/RESULTS.md, "A first chunk's length";
-# results/h200/sdpa_lengths_s14c1.json, first_chunk_s36c3.json).
-TRITON_CAUSAL_FLOPS = 400e12
+# length) and runs at 460-510 TFLOP/s from 5.7k to 16k tokens on an H100 (FlashAttention
+# 230-325; results/h100/first_chunk_s36c3.json); cuDNN runs at ~580 on the H200 once it holds
+# a plan for the shape, which takes 38-51 ms to build (benchmarks/RESULTS.md, "A first
+# chunk's length"; results/h200/sdpa_lengths_s14c1.json).
+TRITON_CAUSAL_FLOPS = 480e12
 CUDNN_CAUSAL_FLOPS = 580e12
 CUDNN_PLAN_SECONDS = 0.045
 # Per first-chunk row class (rows padded to CHUNK_ROWS, heads, KV heads, head size, dtype,
@@ -51,8 +52,8 @@ def triton_first(row_class: tuple, loss: float) -> bool:
     cuDNN for good (rent until the rent paid equals the price: at most twice the best choice
     made knowing how often the class comes). A chunk whose padding costs cuDNN more than its
     rate gains (loss <= 0) runs ours whatever its class chose. A 16k chunk of a 7B model pays
-    within its first two documents; a 5.7k-token document of Qwen2.5-7B loses a few ms over
-    its 28 layers, so its class goes to cuDNN only after ten or more documents."""
+    within its first two documents; a 5.7k-token document of Qwen2.5-7B loses under a
+    millisecond over its 28 layers, so its class goes to cuDNN only after tens of documents."""
     if loss <= 0:
         return True
     lost = _CAUSAL_TRITON_LOSS.get(row_class, 0.0)
