@@ -134,25 +134,28 @@ def use_tma(device: torch.device) -> bool:
 
 def kv_descriptors(k_pool: torch.Tensor, v_pool: torch.Tensor, block_n: int,
                    tma: bool | None = None):
-    """Tensor descriptors of the K and V pools viewed as [slots, heads x head_dim], a block
-    being block_n slots x one head, for a launcher's `tma` (None: `use_tma`); None when tma is
-    off or a pool cannot take one (a head_dim that is not a power of two, a layout other than
-    [slots, heads, head_dim] row-major, or a base or row not 16-byte aligned)."""
+    """Tensor descriptors of K and V [slots, heads, head_dim] viewed as [slots, heads x
+    head_dim], a block being block_n slots x one head, for a launcher's `tma` (None:
+    `use_tma`): the KV pools, or views with a row stride of their own (K and V split from a
+    packed qkv). None when tma is off or a tensor cannot take one (a head_dim that is not a
+    power of two, heads not contiguous within a row, K and V of other shapes or strides, or
+    a base or row not 16-byte aligned)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if not (tma if tma is not None else use_tma(k_pool.device)):
         return None
 
     slots, heads, head_dim = k_pool.shape
-    row_bytes = heads * head_dim * k_pool.element_size()
+    row_stride = k_pool.stride(0)
     for pool in (k_pool, v_pool):
-        if (pool.shape != k_pool.shape or pool.stride() != (heads * head_dim, head_dim, 1)
-                or pool.data_ptr() % 16 or row_bytes % 16):
+        if (pool.shape != k_pool.shape or pool.stride() != (row_stride, head_dim, 1)
+                or pool.data_ptr() % 16 or (row_stride * pool.element_size()) % 16):
             return None
     if head_dim & (head_dim - 1) or head_dim * k_pool.element_size() < 16:
         return None
-    return tuple(TensorDescriptor.from_tensor(pool.view(slots, heads * head_dim),
-                                              [block_n, head_dim]) for pool in (k_pool, v_pool))
+    return tuple(TensorDescriptor.from_tensor(
+        pool.as_strided((slots, heads * head_dim), (row_stride, 1)), [block_n, head_dim])
+        for pool in (k_pool, v_pool))
 
 
 def prefix_tiles(device: torch.device, dtype: torch.dtype, rows: int) -> Tiles:

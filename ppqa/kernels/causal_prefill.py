@@ -120,28 +120,6 @@ def causal_tiles(device: torch.device, dtype: torch.dtype) -> _arch.Tiles:
     return _arch.Tiles(128, 64, 8, 3)
 
 
-def _descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, tma: bool | None):
-    """Tensor descriptors of k and v viewed as [N, Hkv x D] (their row stride kept: views
-    split from a packed qkv take one), a block being block_n rows x one head; None where tma
-    is off or a tensor cannot take one (a head_dim not a power of two, a head or row layout
-    other than [.., Hkv, D] contiguous within a row, a base or row not 16-byte aligned)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if not (tma if tma is not None else _arch.use_tma(k.device)):
-        return None
-    rows, heads, head_dim = k.shape
-    if head_dim & (head_dim - 1) or head_dim * k.element_size() < 16:
-        return None
-    out = []
-    for x in (k, v):
-        if (x.stride(1) != head_dim or x.stride(2) != 1 or x.data_ptr() % 16
-                or (x.stride(0) * x.element_size()) % 16):
-            return None
-        flat = x.as_strided((rows, heads * head_dim), (x.stride(0), 1))
-        out.append(TensorDescriptor.from_tensor(flat, [block_n, head_dim]))
-    return tuple(out)
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      sm_scale: float, tiles: _arch.Tiles | None = None,
                      tma: bool | None = None) -> None:
@@ -157,7 +135,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch
         return
     tiles = tiles or causal_tiles(q.device, q.dtype)
     dot_dt, p_dt, prec = _arch.kernel_dtypes(k.dtype, q.device)
-    descs = _descriptors(k, v, tiles.block_n, tma)
+    descs = _arch.kv_descriptors(k, v, tiles.block_n, tma)
     idx64 = max(keys * k.stride(0), keys * v.stride(0)) >= 2**31
     _causal_kernel[(num_heads, triton.cdiv(tokens, tiles.block_m))](
         q, o, k, v, *(descs or (k, v)),

@@ -224,14 +224,15 @@ class TritonBackend:
         elsewhere, and the extend kernel runs instead."""
         if not fusable(q):
             return False
-        prior = 0 if k_prior is None else k_prior.shape[0]
+        if k_prior is None:
+            k_prior, v_prior = k[:0], v[:0]
+        prior = k_prior.shape[0]
         tokens, heads, head_dim = q.shape
         padded, loss = first_chunk_class(prior + tokens, heads, head_dim)
         row_class = (padded, heads, k.shape[1], head_dim, q.dtype, q.device)
         if self._cudnn_causal is not False and not triton_first(row_class, loss):
             try:
-                chunk_attention(q, k, v, *((k_prior, v_prior) if prior else (k[:0], v[:0])),
-                                o, self.sm_scale)
+                chunk_attention(q, k, v, k_prior, v_prior, o, self.sm_scale)
                 self._cudnn_causal, self.causal_path = True, "cudnn"
                 return True
             except (RuntimeError, TypeError):  # not taken here, or an op of another signature

@@ -6,8 +6,9 @@ element of an array: SmolLM2's 49k-token vocabulary and its merges take it 3.4 s
 `struct` into plain Python values (numeric arrays through `np.frombuffer`), and maps each tensor
 as `GGUFReader` does: a read-only view of the memory-mapped file, in the element type of
 float and integer tensors or as bytes in the quantized block layout, which
-engine/loading/gguf_quants.py (or `gguf.quants`, for the types it does not unpack) dequantizes. Little-endian files of format versions 2 and 3 (what
-llama.cpp writes); anything else raises ValueError, as does a truncated or inconsistent file.
+engine/loading/gguf_quants.py (or `gguf.quants`, for the types it does not unpack)
+dequantizes. Little-endian files of format versions 2 and 3 (what llama.cpp writes); anything
+else raises ValueError, as does a truncated or inconsistent file.
 """
 
 from __future__ import annotations

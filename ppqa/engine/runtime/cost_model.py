@@ -17,10 +17,10 @@ same steps, each is charged its share of what they share: the weight reads and o
 step, and cascade's per-layer floor (one document launch a layer serves every cascade group).
 A mode other than stock is chosen only when the whole step is predicted at least `MIN_GAIN`
 faster, so `auto` falls back to the baseline when the modes are within the model's error (one
-question, tiny documents) rather than betting on noise. MIN_GAIN is small because real gains can be small: on the H200 a
-512-token document with 16 questions on CodeLlama-7B runs cascade and parallel 1.06x faster
-than stock (benchmarks/RESULTS.md, 'Workloads auto must not lose on'), and the model predicts
-parallel 1.03x there.
+question, tiny documents) rather than betting on noise. MIN_GAIN is small because real gains
+can be small: on the H200 a 512-token document with 16 questions on CodeLlama-7B runs cascade
+and parallel 1.06x faster than stock (benchmarks/RESULTS.md, 'Workloads auto must not lose
+on'), and the model predicts parallel 1.03x there.
 """
 
 from __future__ import annotations
