@@ -94,3 +94,71 @@ def test_steps_mixing_stock_and_cascade_replay_like_eager():
             assert eng.captured_graphs > 0
     assert got[True] == got[False]
     assert len(got[True]) == len(requests)
+
+
+def _answers(eng, document, questions):
+    from ppqa import QuestionRequest
+
+    out = {}
+    eng.run([QuestionRequest(i, document, q, SamplingParams(max_new_tokens=24 + 5 * i,
+                                                              ignore_eos=True))
+             for i, q in enumerate(questions)], mode="cascade",
+            on_answer=lambda r, a: out.__setitem__(r.key, a.token_ids))
+    return [out[i] for i in range(len(questions))]
+
+
+def test_a_capture_does_not_wait_for_the_work_queued_before_it(monkeypatch):
+    """A graph captured mid-run is recorded behind the device's queue: ~0.25 s of GPU work
+    queued just before each capture is still running when the capture returns (the old path,
+    `torch.cuda.graph`, synchronized the device first). The tokens are the eager run's."""
+    from ppqa.engine.runtime.graph_runner import GraphCache
+
+    document = "The ferry to Aske leaves at dawn and returns at dusk. " * 7
+    questions = [f"When does ferry {i} leave?" for i in range(6)]
+    eager = _answers(Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
+                            config=EngineConfig(cuda_graphs=False, mem_fraction=0.05)),
+                     document, questions)
+    capture, busy = GraphCache._capture, []
+
+    def behind_a_queue(self, key, input_ids, meta):
+        torch.cuda._sleep(500_000_000)  # ~0.25 s of one SM's cycles, on the current stream
+        queued = torch.cuda.Event()
+        queued.record()
+        step = capture(self, key, input_ids, meta)
+        busy.append(not queued.query())
+        return step
+
+    monkeypatch.setattr(GraphCache, "_capture", behind_a_queue)
+    eng = Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
+                 config=EngineConfig(cuda_graphs=True, mem_fraction=0.05))
+    assert _answers(eng, document, questions) == eager
+    assert eng.captured_graphs == len(busy) > 0
+    assert all(busy), busy
+    assert eng.parts.runner.graphs.sync_captures == 0
+
+
+def test_a_failed_capture_is_captured_again_the_synchronizing_way(monkeypatch):
+    """Where the queued capture raises (the graph pool could not grow without a synchronize),
+    the step is captured through `torch.cuda.graph` and replays like the eager step. The
+    failure is injected: a full graph pool cannot be produced on demand."""
+    from ppqa.engine.runtime.graph_runner import GraphCache
+
+    document = "Kettle Lake freezes in December; skaters cross it in January. " * 6
+    questions = [f"Which month is number {i}?" for i in range(5)]
+    eager = _answers(Engine("dummy:tiny-mha", device="cuda", dtype="float32",
+                            config=EngineConfig(cuda_graphs=False, mem_fraction=0.05)),
+                     document, questions)
+    forward, failed = GraphCache._forward, []
+
+    def fail_first(self, input_ids, meta):
+        if torch.cuda.is_current_stream_capturing() and not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("injected: the graph pool cannot grow")
+        return forward(self, input_ids, meta)
+
+    monkeypatch.setattr(GraphCache, "_forward", fail_first)
+    eng = Engine("dummy:tiny-mha", device="cuda", dtype="float32",
+                 config=EngineConfig(cuda_graphs=True, mem_fraction=0.05))
+    assert _answers(eng, document, questions) == eager
+    assert failed and eng.parts.runner.graphs.sync_captures == 1
+    assert eng.captured_graphs >= 2

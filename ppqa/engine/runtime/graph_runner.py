@@ -11,7 +11,8 @@ The kernels read real lengths from tensors, so a bound only steers how the work 
 Replay: the step's device tensors (from `ModelRunner.prepare`) are copied into the graph's
 static tensors, the graph replays the model's forward and logits, and the static logits come
 back. Every graph shares one memory pool; capture happens on a side stream after one eager
-warm-up run (Triton compiles and the backend plans outside the capture).
+warm-up run (Triton compiles and the backend plans outside the capture), queued behind the
+device's work rather than after waiting for it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class GraphCache:
         self.graphs: dict[tuple, CapturedStep] = {}
         self.seen: dict[tuple, int] = {}  # uses of shapes not captured yet
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream: torch.cuda.Stream | None = None
+        self.sync_captures = 0  # captures that fell back to `torch.cuda.graph` (see _capture)
 
     def key(self, meta: ForwardMetadata) -> tuple:
         casc = meta.cascade
@@ -132,18 +135,54 @@ class GraphCache:
         return self.model.compute_logits(hidden[meta.logit_indices])
 
     def _capture(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMetadata) -> CapturedStep:
+        """Capture on the cache's side stream, queued behind the device's work without waiting
+        for it. (`torch.cuda.graph` synchronizes the device and empties the allocator's device
+        and pinned-host caches on entering: a capture mid-run idled the GPU for its whole host
+        time, and the steps after it pinned their copies afresh.) Where that capture fails (the
+        graph pool could not grow without freeing cached blocks, which synchronizes), the step
+        is captured again through `torch.cuda.graph`."""
         static_ids = input_ids.clone()
         static_meta = self._static_meta(key, meta)
-        # The warm-up writes this step's K/V exactly as the replay that follows will: harmless.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        if self.stream is None:  # one stream for every capture: its cached blocks are reused
+            self.stream = torch.cuda.Stream(self.device)
+        stream = self.stream
+        stream.wait_stream(current)
         with torch.cuda.stream(stream):
+            # The warm-up writes this step's K/V exactly as the replay that follows will.
             self._forward(static_ids, static_meta)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(static_ids, static_meta)
+        try:
+            graph, logits = self._record(stream, static_ids, static_meta)
+        except RuntimeError:
+            # A capture that failed inside CUDA may leave the allocator routing this stream's
+            # allocations to the graph pool: later captures take a new stream.
+            self.stream = None
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(static_ids, static_meta)
+            self.sync_captures += 1
+        current.wait_stream(stream)
         return CapturedStep(graph, static_ids, static_meta, logits)
+
+    def _record(self, stream: torch.cuda.Stream, input_ids: torch.Tensor,
+                meta: ForwardMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, static logits) of one forward captured on `stream`. Thread-local capture:
+        other threads' CUDA calls meanwhile (a pinned buffer for the grammar's masks) are not
+        the capture's concern."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(self.pool, capture_error_mode="thread_local")
+            try:
+                logits = self._forward(input_ids, meta)
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:  # the failed capture's own error; the first one is raised
+                    pass
+                raise
+            graph.capture_end()
+        return graph, logits
 
 
 def _pow2(n: int) -> int:
