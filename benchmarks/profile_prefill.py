@@ -5,8 +5,9 @@ For each model and document length, on one engine (`dummy:<preset>[+bpe]`, bf16)
      -> `ModelRunner.run`), timed with CUDA events;
   2. its questions' prefill (Q questions of `--question-tokens` tokens each), as the session
      runs it for width-1 requests: one grouped (cascade) extend against the document;
-  3. both again under torch.profiler: device time per kernel category (GEMMs, attention,
-     norms/rope/activations, KV writes, copies), and the host gap (wall minus kernels);
+  3. with --profile, every case again under torch.profiler: device time per kernel category
+     (GEMMs, attention, norms/rope/activations, KV writes, copies) and the host gap (wall minus
+     kernels), for the whole prefill and for the question part alone;
   4. each part against its own floor: matrix FLOPs and attention FLOPs at `--peak-tflops`.
 Then, per document length, the document's causal attention alone (one layer, the longest
 chunk against everything before it): our extend kernel against torch's fused attention
@@ -21,6 +22,7 @@ Writes every number to --out (JSON, `prefill_floor_ratio` per case) and prints a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -112,8 +114,9 @@ def make_requests(engine: Engine, doc_tokens: int, questions: int, question_toke
 
 
 def prefill_once(engine: Engine, doc_tokens: int, questions: int, question_tokens: int,
-                 rng: random.Random) -> dict:
-    """Document chunks and the grouped question extend of one fresh document, event-timed."""
+                 rng: random.Random, around_questions=None) -> dict:
+    """Document chunks and the grouped question extend of one fresh document, event-timed.
+    around_questions: a context manager entered for the question part alone (a profiler)."""
     session, requests = make_requests(engine, doc_tokens, questions, question_tokens, rng)
     sched, runner = session.sched, engine.parts.runner
     for req in requests:
@@ -131,16 +134,18 @@ def prefill_once(engine: Engine, doc_tokens: int, questions: int, question_token
             chunks.append((inputs.num_tokens, t))
     doc_wall = time.perf_counter() - wall0
     q_s, q_tokens = 0.0, 0
-    while True:
-        ready = sched.questions_ready()
-        if not ready:
-            break
-        for step in session._question_steps(ready):
-            with EventTimer() as t:
-                runner.run(step.inputs)
-            q_s += t.seconds()
-            q_tokens += step.inputs.num_tokens
     sync()
+    with around_questions() if around_questions else contextlib.nullcontext():
+        while True:
+            ready = sched.questions_ready()
+            if not ready:
+                break
+            for step in session._question_steps(ready):
+                with EventTimer() as t:
+                    runner.run(step.inputs)
+                q_s += t.seconds()
+                q_tokens += step.inputs.num_tokens
+        sync()
     wall = time.perf_counter() - wall0
     doc_s = sum(t.seconds() for _, t in chunks)
     session.close()
@@ -166,21 +171,43 @@ def chunk_paths(engine: Engine, doc_tokens: int, questions: int, question_tokens
 
 def kernel_profile(engine: Engine, doc_tokens: int, questions: int, question_tokens: int,
                    rng: random.Random) -> dict:
+    """Device time by kernel category over a whole prefill (document and questions), then over
+    the question part alone of another fresh document of the same shape."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]  # the CPU: ops' time
+
+    def kinds(prof) -> tuple[dict[str, float], list]:
+        per_cat: dict[str, float] = defaultdict(float)
+        top = []
+        for evt in prof.key_averages():
+            us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
+            if us > 0:
+                per_cat[category(evt.key)] += us / 1e6
+                top.append((evt.key[:100], us / 1e6))
+        top.sort(key=lambda kv: -kv[1])
+        return dict(per_cat), top[:15]
+
+    with profile(activities=activities) as prof:
         out = prefill_once(engine, doc_tokens, questions, question_tokens, rng)
-    per_cat: dict[str, float] = defaultdict(float)
-    top = []
-    for evt in prof.key_averages():
-        us = evt.self_device_time_total
-        if us > 0:
-            per_cat[category(evt.key)] += us / 1e6
-            top.append((evt.key[:100], us / 1e6))
-    top.sort(key=lambda kv: -kv[1])
+    per_cat, top = kinds(prof)
     kernels = sum(per_cat.values())
-    return {"categories_s": dict(per_cat), "kernels_s": kernels,
-            "host_gap_s": max(out["wall_s"] - kernels, 0.0), "top_kernels_s": top[:15]}
+    holder = {}
+
+    @contextlib.contextmanager
+    def questions_only():
+        with profile(activities=activities) as q_prof:
+            yield
+        holder["prof"] = q_prof
+
+    q_out = prefill_once(engine, doc_tokens, questions, question_tokens, rng,
+                         around_questions=questions_only)
+    q_cat, q_top = kinds(holder["prof"])
+    return {"categories_s": per_cat, "kernels_s": kernels,
+            "host_gap_s": max(out["wall_s"] - kernels, 0.0), "top_kernels_s": top,
+            "questions_s": q_out["questions_s"], "questions_categories_s": q_cat,
+            "questions_top_kernels_s": q_top}
 
 
 def bench_ms(fn, reps: int = 10) -> float:
@@ -338,7 +365,7 @@ def main() -> None:
                                 / (doc_floor + q_floor),
                                 doc_tflops=doc_floor * args.peak_tflops / case["doc_s"],
                                 questions_tflops=q_floor * args.peak_tflops / case["questions_s"])
-                    if args.profile and q_tokens == 20 and questions == 64:
+                    if args.profile:
                         case["profile"] = kernel_profile(engine, doc_tokens, questions, q_tokens, rng)
                     results["cases"].append(case)
                     print(f"{model:26s} doc {doc_tokens:6d} Q {questions:4d}x{q_tokens:3d}: "
@@ -367,9 +394,12 @@ def main() -> None:
         if "profile" in c:
             p = c["profile"]
             cats = sorted(p["categories_s"].items(), key=lambda kv: -kv[1])
-            print(f"{c['model']} {c['doc_tokens']}/{c['questions']}: kernels {p['kernels_s']*1e3:.0f} ms, "
-                  f"host gap {p['host_gap_s']*1e3:.0f} ms; " +
+            print(f"{c['model']} {c['doc_tokens']}/{c['questions']}x{c['question_tokens_each']}: "
+                  f"kernels {p['kernels_s']*1e3:.0f} ms, host gap {p['host_gap_s']*1e3:.0f} ms; " +
                   ", ".join(f"{k} {v*1e3:.0f}" for k, v in cats))
+            q_cats = sorted(p["questions_categories_s"].items(), key=lambda kv: -kv[1])
+            print(f"   questions alone {p['questions_s']*1e3:.1f} ms: " +
+                  ", ".join(f"{k} {v*1e3:.1f}" for k, v in q_cats))
 
 
 if __name__ == "__main__":
