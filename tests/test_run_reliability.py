@@ -106,10 +106,11 @@ def all_answered_once(url: str, jobs: int) -> dict:
 
 
 def test_kill_9_mid_job_then_another_worker_finishes_it(db_location, tmp_path):
-    # Jobs of one document run together and end at different steps (2 to 32 tokens), so the
-    # first answers are written while the other jobs of the batch are still being generated.
+    # Jobs of one document run together and end at different steps (2 to 400 tokens), so the
+    # first answers are written while the other jobs of the batch are still being generated;
+    # the longest is hundreds of steps from done however late the kill lands on a slow host.
     jobs = queue_jobs(db_location, documents=2, jobs_per_document=4, questions_per_job=4,
-                      max_new_tokens=(2, 12, 22, 32))
+                      max_new_tokens=(2, 12, 22, 400))
     first = start_worker(db_location, tmp_path, "a", "--lease-seconds", "2", "--max-jobs", "4")
     wait_for_answers(db_location, first)
     first.send_signal(signal.SIGKILL)
