@@ -199,7 +199,7 @@ def test_sigint_saves_answers_and_releases_unfinished_jobs(tmp_path):
 
 def test_a_job_whose_worker_died_max_attempts_times_is_failed(tmp_path):
     url = str(tmp_path / "jobs.db")
-    queue_jobs(url, documents=1, jobs_per_document=1, questions_per_job=2, max_new_tokens=(32,))
+    queue_jobs(url, documents=1, jobs_per_document=1, questions_per_job=2, max_new_tokens=(400,))
     first = start_worker(url, tmp_path, "a", "--lease-seconds", "1", "--max-attempts", "1")
     deadline = time.monotonic() + WAIT_S
     while counts(url)["status"] != {"running": 1}:  # claimed: the model is answering it
