@@ -96,6 +96,11 @@ def test_steps_mixing_stock_and_cascade_replay_like_eager():
     assert len(got[True]) == len(requests)
 
 
+def _engine(model: str, graphs: bool) -> Engine:
+    return Engine(f"dummy:{model}", device="cuda", dtype="float32",
+                  config=EngineConfig(cuda_graphs=graphs, mem_fraction=0.05))
+
+
 def _answers(eng, document, questions):
     from ppqa import QuestionRequest
 
@@ -115,9 +120,7 @@ def test_a_capture_does_not_wait_for_the_work_queued_before_it(monkeypatch):
 
     document = "The ferry to Aske leaves at dawn and returns at dusk. " * 7
     questions = [f"When does ferry {i} leave?" for i in range(6)]
-    eager = _answers(Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
-                            config=EngineConfig(cuda_graphs=False, mem_fraction=0.05)),
-                     document, questions)
+    eager = _answers(_engine("tiny-gqa", graphs=False), document, questions)
     capture, busy = GraphCache._capture, []
 
     def behind_a_queue(self, key, input_ids, meta):
@@ -129,8 +132,7 @@ def test_a_capture_does_not_wait_for_the_work_queued_before_it(monkeypatch):
         return step
 
     monkeypatch.setattr(GraphCache, "_capture", behind_a_queue)
-    eng = Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
-                 config=EngineConfig(cuda_graphs=True, mem_fraction=0.05))
+    eng = _engine("tiny-gqa", graphs=True)
     assert _answers(eng, document, questions) == eager
     assert eng.captured_graphs == len(busy) > 0
     assert all(busy), busy
@@ -145,9 +147,7 @@ def test_a_failed_capture_is_captured_again_the_synchronizing_way(monkeypatch):
 
     document = "Kettle Lake freezes in December; skaters cross it in January. " * 6
     questions = [f"Which month is number {i}?" for i in range(5)]
-    eager = _answers(Engine("dummy:tiny-mha", device="cuda", dtype="float32",
-                            config=EngineConfig(cuda_graphs=False, mem_fraction=0.05)),
-                     document, questions)
+    eager = _answers(_engine("tiny-mha", graphs=False), document, questions)
     forward, failed = GraphCache._forward, []
 
     def fail_first(self, input_ids, meta):
@@ -157,8 +157,7 @@ def test_a_failed_capture_is_captured_again_the_synchronizing_way(monkeypatch):
         return forward(self, input_ids, meta)
 
     monkeypatch.setattr(GraphCache, "_forward", fail_first)
-    eng = Engine("dummy:tiny-mha", device="cuda", dtype="float32",
-                 config=EngineConfig(cuda_graphs=True, mem_fraction=0.05))
+    eng = _engine("tiny-mha", graphs=True)
     assert _answers(eng, document, questions) == eager
     assert failed and eng.parts.runner.graphs.sync_captures == 1
     assert eng.captured_graphs >= 2

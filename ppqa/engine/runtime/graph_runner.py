@@ -157,8 +157,7 @@ class GraphCache:
             # A capture that failed inside CUDA may leave the allocator routing this stream's
             # allocations to the graph pool: later captures take a new stream.
             self.stream = None
-            current.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph()  # its entry synchronizes: the warm-up is done
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = self._forward(static_ids, static_meta)
             self.sync_captures += 1
