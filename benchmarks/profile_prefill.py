@@ -135,7 +135,7 @@ def prefill_once(engine: Engine, doc_tokens: int, questions: int, question_token
     doc_wall = time.perf_counter() - wall0
     q_s, q_tokens = 0.0, 0
     sync()
-    with around_questions() if around_questions else contextlib.nullcontext():
+    with around_questions or contextlib.nullcontext():
         while True:
             ready = sched.questions_ready()
             if not ready:
@@ -193,17 +193,10 @@ def kernel_profile(engine: Engine, doc_tokens: int, questions: int, question_tok
         out = prefill_once(engine, doc_tokens, questions, question_tokens, rng)
     per_cat, top = kinds(prof)
     kernels = sum(per_cat.values())
-    holder = {}
-
-    @contextlib.contextmanager
-    def questions_only():
-        with profile(activities=activities) as q_prof:
-            yield
-        holder["prof"] = q_prof
-
+    q_prof = profile(activities=activities)
     q_out = prefill_once(engine, doc_tokens, questions, question_tokens, rng,
-                         around_questions=questions_only)
-    q_cat, q_top = kinds(holder["prof"])
+                         around_questions=q_prof)
+    q_cat, q_top = kinds(q_prof)
     return {"categories_s": per_cat, "kernels_s": kernels,
             "host_gap_s": max(out["wall_s"] - kernels, 0.0), "top_kernels_s": top,
             "questions_s": q_out["questions_s"], "questions_categories_s": q_cat,
