@@ -78,6 +78,26 @@ def overlap_workload(rng: random.Random, tmpl: str) -> list:
     return requests
 
 
+def budget_questions(rng: random.Random, doc: str, count: int, tmpl: str, tag: str,
+                     budget: int) -> list:
+    """`count` questions of 3-20 characters about `doc`, keyed (tag, i), each answering
+    `budget` tokens greedily (no EOS)."""
+    from ppqa import QuestionRequest, SamplingParams
+
+    return [QuestionRequest((tag, i), doc, text(rng, rng.randint(3, 20)),
+                            SamplingParams(max_new_tokens=budget, ignore_eos=True), tmpl)
+            for i in range(count)]
+
+
+def stock_by_document(engine, requests) -> dict:
+    """Stock's answers (key -> token ids), a run per document."""
+    out: dict = {}
+    for doc in dict.fromkeys(r.document for r in requests):
+        engine.run([r for r in requests if r.document == doc], mode="stock",
+                   on_answer=lambda r, a: out.__setitem__(r.key, a.token_ids))
+    return out
+
+
 def answers_by_key(engine, requests, **run_kwargs) -> dict:
     """`engine.run(requests)`: request key -> (token ids, finish reason, text), every one answered."""
     got = {}

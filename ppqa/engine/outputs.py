@@ -109,6 +109,8 @@ class RunStats:
     errors: int = 0  # questions rejected (on_error)
     cancelled: int = 0  # questions dropped because their keys were cancelled
     steps: int = 0  # forward passes
+    # document chunks run in the forward of the question prefill after them (StepInputs.lead)
+    chunks_with_questions: int = 0
     # decode steps whose forward was launched before the step in flight was read back
     overlapped_steps: int = 0
     max_batch_requests: int = 0  # most requests decoded together in one step

@@ -6,7 +6,9 @@ engine/session.py, is the class that uses it and owns the state it reads).
         whose documents are ready: width-1 requests of one document in one grouped extend
         (`_question_steps`), parallel requests in a stream-masked extend of their own,
         scoring requests answered whole (`_score`); bounded while others decode: at most one
-        of each an iteration
+        of each an iteration. A chunk that ends its document runs in the forward of the
+        question prefill after it (`StepInputs.lead`), so that a few hundred question rows
+        do not read the weights in a forward of their own
     _settle_prefill -> what was launched is read back an iteration later (after that
         iteration's decode step is queued behind it), its device time charged to the streams
         that waited for it, and question prefills' first tokens accepted
@@ -17,9 +19,17 @@ from __future__ import annotations
 import time
 
 from ppqa.engine.launches import Prefilled, PrefillTimer
-from ppqa.engine.runtime.request import Request
+from ppqa.engine.runtime.request import Request, Stream
+from ppqa.engine.runtime.runner import StepInputs
 from ppqa.engine.runtime.scoring import choice_logprobs, split_by_rows
 from ppqa.engine.runtime.steps import PlannedStep, score_step
+
+
+class HeldChunk:
+    """A document chunk planned and not yet launched, and the streams waiting for it."""
+
+    def __init__(self, inputs: StepInputs, waiting: list[Stream], ends_document: bool) -> None:
+        self.inputs, self.waiting, self.ends_document = inputs, waiting, ends_document
 
 
 class SessionPrefill:
@@ -29,46 +39,85 @@ class SessionPrefill:
 
     def _prefill(self, bounded: bool) -> None:
         """Document chunks, then the questions whose documents are ready; bounded: at most one
-        of each. Launched here and read in `_settle_prefill` (at the end of the next
-        iteration, after its decode step is queued, with `overlap_steps`; at once without),
-        which charges their device time to the streams that waited for them."""
+        of each. A chunk that ends a document runs in the forward of the first question prefill
+        after it (`StepInputs.lead`) where their rows fit one chunk's budget. Launched here and
+        read in `_settle_prefill` (at the end of the next iteration, after its decode step is
+        queued, with `overlap_steps`; at once without), which charges their device time to the
+        streams that waited for them."""
         sched, stats = self.sched, self.stats
-        self._prefill_documents(bounded)
+        held, _ = self._document_chunks(bounded)
+        if held is not None and not held.ends_document:  # no question waits for it alone
+            self._launch_chunk(held)
+            held = None
         while True:
             ready = sched.questions_ready()
             if not ready:
                 break
-            for batch in split_by_rows([r for r in ready if r.scoring]):
+            scoring = [r for r in ready if r.scoring]
+            steps = self._question_steps([r for r in ready if not r.scoring])
+            if held is not None and (scoring or not steps or not self._fits(held, steps[0])):
+                self._launch_chunk(held)  # scoring reads the document before any step here
+                held = None
+            for batch in split_by_rows(scoring):
                 self._score(batch)
-            for step in self._question_steps([r for r in ready if not r.scoring]):
+            for step in steps:
                 stats.prefilled_tokens += step.inputs.num_tokens
+                streams = [(s, len(s.suffix_ids)) for r in step.requests for s in r.streams]
+                if held is not None:
+                    step.inputs.lead = held.inputs
+                    stats.prefilled_tokens += held.inputs.num_tokens
+                    stats.chunks_with_questions += 1
+                    # The forward's time shared by tokens: the chunk's share by its waiters.
+                    share = held.inputs.num_tokens / max(len(held.waiting), 1)
+                    streams += [(s, share) for s in held.waiting]
+                    held = None
                 timer = PrefillTimer(self._cuda)
                 launched = self._launch(step, None)
-                streams = [(s, len(s.suffix_ids)) for r in step.requests for s in r.streams]
                 self._launched_prefill(Prefilled(timer.stop(), streams, launched))
             if bounded:
                 break
+        if held is not None:
+            self._launch_chunk(held)
         if not self.engine.config.overlap_steps:
             self._settle_prefill()
+
+    def _fits(self, held: HeldChunk, step: PlannedStep) -> bool:
+        """Whether a chunk and a question prefill fit one forward: no more rows than a chunk
+        alone may have, so that a forward's activations stay what the KV pool left room for."""
+        rows = held.inputs.num_tokens + step.inputs.num_tokens
+        return rows <= self.sched.max_prefill_tokens
 
     def _prefill_documents(self, bounded: bool) -> int:
         """Launch the chunks of the documents that admitted requests wait for (bounded: one
         chunk); returns how many were launched."""
-        sched, stats = self.sched, self.stats
-        launched = 0
+        held, planned = self._document_chunks(bounded)
+        if held is not None:
+            self._launch_chunk(held)
+        return planned
+
+    def _document_chunks(self, bounded: bool) -> tuple[HeldChunk | None, int]:
+        """`_prefill_documents` with its last chunk planned and not launched: (that chunk or
+        None, how many were planned)."""
+        sched = self.sched
+        planned, held = 0, None
         while docs := sched.pending_documents():
+            if held is not None:
+                self._launch_chunk(held)
             doc = docs[0]
             waiting = [s for r in sched.prefilling if r.doc is doc for s in r.streams]
-            inputs = sched.document_chunk(doc)
-            timer = PrefillTimer(self._cuda)
-            self._run(inputs)
-            self._launched_prefill(Prefilled(timer.stop(), [(s, 1.0) for s in waiting]))
-            stats.steps += 1
-            stats.prefilled_tokens += inputs.num_tokens
-            launched += 1
+            inputs = sched.document_chunk(doc)  # marks the document ready at its last chunk
+            held = HeldChunk(inputs, waiting, ends_document=doc.ready)
+            planned += 1
             if bounded:
                 break
-        return launched
+        return held, planned
+
+    def _launch_chunk(self, held: HeldChunk) -> None:
+        timer = PrefillTimer(self._cuda)
+        self._run(held.inputs)
+        self._launched_prefill(Prefilled(timer.stop(), [(s, 1.0) for s in held.waiting]))
+        self.stats.steps += 1
+        self.stats.prefilled_tokens += held.inputs.num_tokens
 
     def _launched_prefill(self, work: Prefilled) -> None:
         work.iteration = self._iteration

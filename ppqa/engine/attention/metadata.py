@@ -108,6 +108,27 @@ class ForwardMetadata:
         return self.positions.shape[0]
 
 
+class RecentPlans:
+    """A backend's plans for the last few metadata it planned, by identity: a forward whose
+    rows are two steps' (`runtime/runner.SplitAttention`) alternates between two metadata in
+    every layer, and each is planned once."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._items: list[tuple[ForwardMetadata, object]] = []
+
+    def keep(self, meta: ForwardMetadata, plan) -> None:
+        others = [item for item in self._items if item[0] is not meta]
+        self._items = [(meta, plan)] + others[:self.size - 1]
+
+    def get(self, meta: ForwardMetadata):
+        """The plan kept for `meta`, or None."""
+        for kept, plan in self._items:
+            if kept is meta:
+                return plan
+        return None
+
+
 class AttentionBackend(Protocol):
     """What the model's attention layers call. One instance per engine, bound to its KV pool."""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ppqa.engine.attention.metadata import ForwardMetadata
+from ppqa.engine.attention.metadata import ForwardMetadata, RecentPlans
 from ppqa.engine.runtime.kv_cache import KVPool
 from ppqa.engine.runtime.layout import extend_mask
 
@@ -100,6 +100,7 @@ class TorchBackend:
         self.sm_scale = sm_scale
         self._meta: ForwardMetadata | None = None
         self._plan: dict = {}
+        self._recent = RecentPlans()  # a forward of two parts meets two metadata a layer
 
     # ---- per-step plan ---------------------------------------------------------------------
 
@@ -128,6 +129,7 @@ class TorchBackend:
             runs = [slot_runs(table[row, kv_start[b]:prefix[b] + 1]) for b, row in enumerate(rows)]
             self._plan = {"runs": runs, "groups": groups}
         self._meta = meta
+        self._recent.keep(meta, self._plan)
 
     # ---- attention -------------------------------------------------------------------------
 
@@ -137,7 +139,11 @@ class TorchBackend:
         k_buf[meta.out_slots] = k.to(k_buf.dtype)
         v_buf[meta.out_slots] = v.to(v_buf.dtype)
         if self._meta is not meta:
-            self.init_forward_metadata(meta)
+            plan = self._recent.get(meta)
+            if plan is None:
+                self.init_forward_metadata(meta)
+            else:
+                self._meta, self._plan = meta, plan
         if meta.kind == "extend":
             out = self._extend(q, k, v, k_buf, v_buf)
         else:

@@ -34,7 +34,7 @@ import torch
 from ppqa.engine.attention.fused_chunks import (
     CHUNK_ROWS, chunk_attention, first_chunk_class, fusable, triton_first,
 )
-from ppqa.engine.attention.metadata import ForwardMetadata
+from ppqa.engine.attention.metadata import ForwardMetadata, RecentPlans
 from ppqa.kernels.cascade import (
     group_size_bound, launch_shared_prefix, prefix_splits, shared_prefix_attention,
     tiling as cascade_tiling,
@@ -84,6 +84,7 @@ class TritonBackend:
         # Whether cuDNN with its log-sum-exp took a later document chunk: None until tried.
         self._chunk_ok: bool | None = None
         self._plan = StepPlan(1)
+        self._recent = RecentPlans()  # a forward of two parts meets two metadata a layer
         # High priority: the block scheduler then places the document product's few long CTAs
         # before the suffix's many short ones, which fill the room left beside them.
         self._side = (torch.cuda.Stream(self.device, priority=-1)
@@ -155,6 +156,7 @@ class TritonBackend:
     def init_forward_metadata(self, meta: ForwardMetadata) -> None:
         self._plan = self.plan(meta)
         self._meta = meta
+        self._recent.keep(meta, self._plan)
 
     def plan(self, meta: ForwardMetadata) -> StepPlan:
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
@@ -186,7 +188,11 @@ class TritonBackend:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         store_kv(k_buf, v_buf, meta.out_slots, k, v)
         if self._meta is not meta:
-            self.init_forward_metadata(meta)
+            plan = self._recent.get(meta)
+            if plan is None:
+                self.init_forward_metadata(meta)
+            else:
+                self._meta, self._plan = meta, plan
         plan = self._plan
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.plain_causal and self._first_chunk(q, k, v, o):

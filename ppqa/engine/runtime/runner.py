@@ -7,6 +7,11 @@ device in one copy, looks the new tokens' slots up in req_to_token on the device
 `ForwardMetadata` that every layer's attention receives. `run` then calls the model and returns
 float32 logits for `logit_indices` only.
 
+A step may carry a `lead`: a document's last prefill chunk run in the same forward, its rows
+first (`SplitAttention`). The projections then run over both at once, so a question prefill of a
+few hundred rows does not read the weights in a forward of its own; each part's attention runs
+over its own rows with its own metadata.
+
 A decode step's shapes depend only on (B, P): `GraphCache` (graph_runner.py) copies `prepare`'s
 outputs into a captured graph's static tensors and replays it. A decode step's input tokens may
 come from the previous step's sampled tokens, still on the device (`StepInputs.input_src`), so the
@@ -52,6 +57,9 @@ class StepInputs:
     # A later chunk of a document held in one slot run: (first slot, tokens before the chunk)
     # (ForwardMetadata.doc_prior).
     doc_prior: tuple[int, int] | None = None
+    # A document chunk (no logit rows) run in this step's forward, its tokens before this
+    # step's (`ModelRunner.run`); its rows count in neither this step's layout nor its indices.
+    lead: StepInputs | None = None
 
     def __post_init__(self) -> None:
         tokens, batch = self.input_ids.shape[0], self.req_rows.shape[0]
@@ -64,6 +72,10 @@ class StepInputs:
             raise ValueError(f"StepInputs.qo_indptr must have {batch + 1} entries ending at {tokens}")
         if self.kind == "decode" and tokens != batch:
             raise ValueError(f"a decode step has one token per request: {tokens} tokens, {batch} requests")
+        if self.lead is not None and (self.decode or self.lead.lead is not None
+                                      or self.lead.logit_indices.numel()):
+            raise ValueError("StepInputs.lead is one chunk without logit rows, before a step "
+                             "that is not a graphed decode step")
 
     @property
     def num_tokens(self) -> int:
@@ -153,6 +165,8 @@ class ModelRunner:
     def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward one step; float32 logits [R, vocab] for the step's logit rows (None if R = 0).
         Nothing here waits for the device."""
+        if step.lead is not None:
+            return self._run_with_lead(step, prev_tokens)
         input_ids, meta = self.prepare(step, prev_tokens)
         if self.graphs is not None and step.decode:
             logits = self.graphs.run(input_ids, meta)
@@ -162,3 +176,33 @@ class ModelRunner:
         if meta.logit_indices.shape[0] == 0:
             return None
         return self.model.compute_logits(hidden[meta.logit_indices])
+
+    def _run_with_lead(self, step: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """`run` for a step with a lead chunk: both prepared (the lead first, so that its slots'
+        stream ids are stamped before the step plans over them), one forward over their rows."""
+        lead_ids, lead_meta = self.prepare(step.lead)
+        input_ids, meta = self.prepare(step, prev_tokens)
+        rows = lead_ids.shape[0]
+        split = SplitAttention(self.backend, [(0, rows, lead_meta),
+                                              (rows, rows + input_ids.shape[0], meta)])
+        hidden = self.model(torch.cat([lead_ids, input_ids]),
+                            torch.cat([lead_meta.positions, meta.positions]), meta, split)
+        if meta.logit_indices.shape[0] == 0:
+            return None
+        return self.model.compute_logits(hidden[meta.logit_indices + rows])
+
+
+class SplitAttention:
+    """The attention of one forward whose rows are several steps' (`StepInputs.lead`): each
+    part's K/V written and its attention computed by `backend` over its own rows, with its own
+    metadata (the `meta` the layers pass is ignored). The parts run in order within a layer,
+    so a later part may read what an earlier one wrote there (questions after their document's
+    last chunk)."""
+
+    def __init__(self, backend, parts: list[tuple[int, int, ForwardMetadata]]) -> None:
+        self.backend, self.parts = backend, parts
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: ForwardMetadata) -> torch.Tensor:
+        return torch.cat([self.backend.forward(layer, q[a:b], k[a:b], v[a:b], part)
+                          for a, b, part in self.parts])
