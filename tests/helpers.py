@@ -98,6 +98,27 @@ def stock_by_document(engine, requests) -> dict:
     return out
 
 
+def documents_arriving(engine, tmpl: str, mode: str) -> tuple[dict, dict, object, int]:
+    """Four documents (one of several chunks where `max_prefill_tokens` is ~400) submitted
+    to one session two steps apart, so that each prefills while the earlier ones decode:
+    (answers, stock's answers by document, the session's RunStats, documents), answers as
+    key -> token ids."""
+    rng = random.Random(mode)
+    docs = [text(rng, n) for n in (150, 60, 700, 90)]
+    batches = [budget_questions(rng, doc, 3 + d, tmpl, f"d{d}", budget=6 + 2 * d)
+               for d, doc in enumerate(docs)]
+    expected = stock_by_document(engine, [q for batch in batches for q in batch])
+    engine.parts.docs.clear()
+    got: dict = {}
+    session = engine.session(on_answer=lambda r, a: got.__setitem__(r.key, a.token_ids))
+    for batch in batches:
+        session.submit(batch, mode=mode, streams=3 if mode == "parallel" else None)
+        session.step()
+        session.step()
+    session.drain()
+    return got, expected, session.close(), len(docs)
+
+
 def answers_by_key(engine, requests, **run_kwargs) -> dict:
     """`engine.run(requests)`: request key -> (token ids, finish reason, text), every one answered."""
     got = {}

@@ -13,7 +13,7 @@ import torch
 
 from ppqa import QuestionRequest, SamplingParams
 from ppqa.engine.runtime.runner import StepInputs
-from tests.helpers import (budget_questions, pending_document, plain_template,
+from tests.helpers import (documents_arriving, pending_document, plain_template,
                            stock_by_document, text, tiny_engine)
 
 
@@ -24,7 +24,8 @@ def test_lead_chunk_gives_the_logits_of_two_forwards(preset: str) -> None:
     when the two run apart (fp32)."""
     eng = tiny_engine(preset, seed=5)
     runner, pool = eng.parts.runner, eng.parts.pool
-    doc_ids = [random.Random(0).randrange(3, 200) for _ in range(40)]
+    rng = random.Random(0)
+    doc_ids = [rng.randrange(3, 200) for _ in range(40)]
     logits, kv = [], []
     for together in (False, True):
         eng.parts.docs.clear()
@@ -61,23 +62,9 @@ def test_chunks_with_questions_give_stock_answers(mode: str, tmp_path: Path) -> 
     chunks an iteration at a time, its last chunk beside its questions, and every mode
     answers as stock."""
     eng = tiny_engine("tiny-mha", seed=2, max_prefill_tokens=400)
-    tmpl = plain_template(tmp_path)
-    rng = random.Random(mode)
-    docs = [text(rng, n) for n in (150, 60, 700, 90)]
-    batches = [budget_questions(rng, doc, 3 + d, tmpl, f"d{d}", budget=6 + 2 * d)
-               for d, doc in enumerate(docs)]
-    expected = stock_by_document(eng, [q for batch in batches for q in batch])
-    eng.parts.docs.clear()
-    got: dict = {}
-    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a.token_ids))
-    for batch in batches:
-        session.submit(batch, mode=mode, streams=3 if mode == "parallel" else None)
-        session.step()
-        session.step()
-    session.drain()
-    stats = session.close()
+    got, expected, stats, docs = documents_arriving(eng, plain_template(tmp_path), mode)
     assert got == expected
-    assert stats.chunks_with_questions == len(docs)
+    assert stats.chunks_with_questions == docs
 
 
 def test_no_lead_past_the_chunk_budget(tmp_path: Path) -> None:

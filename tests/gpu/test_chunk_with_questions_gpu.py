@@ -2,15 +2,12 @@
 chunk's part takes the fused first-chunk path and the question rows' logits are those of the two
 forwards apart; in fp32 a session of documents arriving while others decode answers as stock."""
 
-import random
-
 import pytest
 import torch
 
 from ppqa import Engine
 from ppqa.config import EngineConfig
-from tests.helpers import (budget_questions, pending_document, plain_template,
-                           stock_by_document, text)
+from tests.helpers import documents_arriving, pending_document, plain_template
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,20 +43,6 @@ def test_lead_chunk_in_bf16_matches_two_forwards(model):
 def test_chunks_with_questions_give_stock_answers_on_the_gpu(mode, tmp_path):
     eng = Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
                  config=EngineConfig(mem_fraction=0.05, max_prefill_tokens=400))
-    tmpl = plain_template(tmp_path)
-    rng = random.Random(mode)
-    docs = [text(rng, n) for n in (150, 60, 700, 90)]
-    batches = [budget_questions(rng, doc, 3 + d, tmpl, f"d{d}", budget=6 + 2 * d)
-               for d, doc in enumerate(docs)]
-    expected = stock_by_document(eng, [q for batch in batches for q in batch])
-    eng.parts.docs.clear()
-    got: dict = {}
-    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a.token_ids))
-    for batch in batches:
-        session.submit(batch, mode=mode, streams=3 if mode == "parallel" else None)
-        session.step()
-        session.step()
-    session.drain()
-    stats = session.close()
+    got, expected, stats, docs = documents_arriving(eng, plain_template(tmp_path), mode)
     assert got == expected
-    assert stats.chunks_with_questions == len(docs)
+    assert stats.chunks_with_questions == docs
