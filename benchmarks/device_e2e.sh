@@ -185,6 +185,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step cgroups 150 python3 benchmarks/cascade_groups.py ${CG_ARGS:-} --out "$OUT/cascade_groups.json"
       step cgroups_gather 150 python3 benchmarks/cascade_groups.py --gather ${CG_ARGS:-} \
         --out "$OUT/cascade_groups_gather.json" ;;
+    atimeline)  # labeling's 50 jobs through the worker up front, then arriving over 6 s
+      # (arrivals6's pace), twice, one process: decode steps' rows and chunks over time
+      step atimeline 240 python3 benchmarks/session_timeline.py --workload labeling \
+        --max-docs 50 --paths worker,arrivals,worker,arrivals --arrival-seconds 6 \
+        --folder /tmp/atimeline --out "$OUT/atimeline.json" ;;
     ltimeline)  # loogle through the worker twice in one process: compilations and eager steps
       step ltimeline 200 python3 benchmarks/session_timeline.py --workload loogle --max-docs 8 \
         --paths worker,worker --folder /tmp/ltimeline --out "$OUT/ltimeline.json" ;;

@@ -14,7 +14,13 @@ read-back after it; the pass's wall time is exact.
 the real worker (`ppqa.worker.loop.Worker` over a fresh SQLite store that `ppqa ingest --batch`
 filled, with the CLI's log progress), in one process on one warm engine: the same tallies, plus
 the worker loop's own phases (claims, writes and settling, lost leases), so the two paths'
-difference is measured rather than inferred from separate processes.
+difference is measured rather than inferred from separate processes. An `arrivals` pass is a
+worker pass that follows the store while a thread ingests the jobs over `--arrival-seconds` (as
+`ppqa bench --e2e arrivals` does, one `ppqa ingest` a tick), stopped once every job settled.
+
+Every pass records a step trace (`trace`): each decode step's time, rows and padded rows and its
+documents, and each document chunk, so that a pass's steps can be laid out over time
+(`trace_summary`: rows per step in each eighth of the pass, and the chunks).
 
     python3 benchmarks/session_timeline.py --workload paper --mode auto --out timeline.json
 """
@@ -81,9 +87,10 @@ def phased(owner, name: str, prof, label: str) -> None:
 
 def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: dict,
              compiles: dict, path: str = "session", folder: Path | None = None,
-             prof=None) -> dict:
+             prof=None, arrival_seconds: float = 6.0) -> dict:
     """One pass over the whole workload (drawn from workload.seed), through a bare session
-    stepped to the end, or through the worker over a store that holds the workload; `prof`
+    stepped to the end, or through the worker over a store that holds the workload (`worker`)
+    or that receives it over `arrival_seconds` (`arrivals`); `prof`
     (a gpu_time.Profile around the pass) gets the session's prefill and decode marked."""
     jobs = make_jobs(workload, engine.tokenizer, max_docs)
     tally = Tally()
@@ -106,6 +113,10 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
     answers: list[float] = []
     batch_sizes: Counter = Counter()
     sessions: list = []
+    # (seconds since the pass began, what, rows, padded rows, documents): decode steps and
+    # document chunks as the host built them.
+    trace: list[tuple] = []
+    clock = {"t0": time.perf_counter()}
 
     def instrument(session):
         if prof is not None:
@@ -126,9 +137,21 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
             step = original_decode_step(batch, **kw)
             kinds = "+".join(sorted({r.mode for r in batch}))
             batch_sizes[f"{kinds}:{len(batch)}"] += 1
+            trace.append((round(time.perf_counter() - clock["t0"], 4), "decode", len(batch),
+                          max(len(batch), kw.get("pad_to") or 0),
+                          len({r.doc_key for r in batch})))
             return step
 
+        original_chunk = sched.document_chunk
+
+        def document_chunk(doc):
+            inputs = original_chunk(doc)
+            trace.append((round(time.perf_counter() - clock["t0"], 4), "chunk",
+                          int(inputs.input_ids.numel()), 0, 1))
+            return inputs
+
         sched.decode_step = decode_step
+        sched.document_chunk = document_chunk
         sessions.append(session)
         return session
 
@@ -143,7 +166,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         session = instrument(engine.session(
             on_answer=lambda req, ans: answers.append(time.perf_counter())))
         sync(engine)
-        t0 = time.perf_counter()
+        t0 = clock["t0"] = time.perf_counter()
         session.submit(requests, mode=mode)
         extra["submit_s"] = time.perf_counter() - t0
         iterations = 0
@@ -155,8 +178,9 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         wall = time.perf_counter() - t0
         stats = session.close()
     else:
-        t0, iterations, wall, stats, extra = worker_pass(engine, workload, jobs, mode, folder,
-                                                         instrument, answers, tally, prof)
+        t0, iterations, wall, stats, extra = worker_pass(
+            engine, workload, jobs, mode, folder, instrument, answers, tally, prof, clock,
+            arrival_seconds if path == "arrivals" else None)
     GraphCache.run = restore
     return {
         "path": path, "seed": workload.seed,
@@ -165,6 +189,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         "phase_s": dict(tally.seconds), "phase_calls": dict(tally.calls),
         "graph_use": dict(graph_use), "graph_replays_by_phase": dict(replays_by_phase),
         "decode_steps_by_batch": dict(batch_sizes),
+        "trace_summary": trace_summary(trace, wall), "trace": trace,
         "compiles": compiles["count"] - compiled_before[0],
         "compile_s": compiles["seconds"] - compiled_before[1],
         "stats": {k: v for k, v in vars(stats).items()},
@@ -180,6 +205,36 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         "allocator": {k: v - allocator_before.get(k, 0)
                       for k, v in allocator_counts(engine).items()},
     }
+
+
+def trace_summary(trace: list[tuple], wall: float, parts: int = 8) -> dict:
+    """The pass cut into `parts` equal spans of its wall time: per span the decode steps,
+    their mean rows and padded rows and documents, and the document chunks (with their
+    tokens); and over the whole pass, the decode steps by padded rows."""
+    span = max(wall, 1e-9) / parts
+    spans = [{"steps": 0, "rows": 0, "padded": 0, "docs": 0, "chunks": 0, "chunk_tokens": 0}
+             for _ in range(parts)]
+    padded: Counter = Counter()
+    for t, what, rows, pad, docs in trace:
+        cell = spans[min(parts - 1, int(t / span))]
+        if what == "decode":
+            cell["steps"] += 1
+            cell["rows"] += rows
+            cell["padded"] += pad
+            cell["docs"] += docs
+            padded[pad] += 1
+        else:
+            cell["chunks"] += 1
+            cell["chunk_tokens"] += rows
+    for cell in spans:
+        n = max(cell["steps"], 1)
+        for k in ("rows", "padded", "docs"):
+            cell[k] = round(cell[k] / n, 1)
+    steps = sum(padded.values())
+    rows = sum(r for _, what, r, _, _ in trace if what == "decode")
+    return {"span_s": round(span, 3), "spans": spans, "steps_by_padded_rows": dict(padded),
+            "decode_steps": steps, "mean_rows": round(rows / max(steps, 1), 1),
+            "mean_padded": round(sum(p * c for p, c in padded.items()) / max(steps, 1), 1)}
 
 
 ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
@@ -240,10 +295,44 @@ def sync(engine: Engine) -> None:
         torch.cuda.synchronize(engine.device)
 
 
+def ingest(db_path: Path, batch: Path) -> None:
+    subprocess.run([sys.executable, "-m", "ppqa", "--db", str(db_path), "ingest", "--batch",
+                    str(batch)], check=True, capture_output=True, text=True)
+
+
+def feed(worker, db_path: Path, jobs, folder: Path, seconds: float, log: dict) -> None:
+    """Ingest `jobs` into the store over `seconds` (a tick's jobs in one `ppqa ingest`, as
+    `ppqa bench --e2e arrivals` does), then stop `worker` once every job has settled."""
+    from ppqa.bench.e2e_report import all_settled
+    from ppqa.bench.workloads import write_batch
+
+    total, sent, tick = len(jobs.jobs), 0, 0
+    due_at = seconds / max(1, total)
+    t0 = time.perf_counter()
+    try:
+        while sent < total and not worker.stopping:
+            due = min(total, int((time.perf_counter() - t0) / due_at) + 1)
+            if due > sent:
+                batch = write_batch(jobs, folder, jobs.jobs[sent:due], f"tick-{tick}.jsonl")
+                ingest(db_path, batch)
+                log["ticks"].append((round(time.perf_counter() - log["t0"], 3), due - sent))
+                sent, tick = due, tick + 1
+            time.sleep(max(0.0, min(1.0, sent * due_at - (time.perf_counter() - t0))))
+        while not worker.stopping and not all_settled(db_path, total):
+            time.sleep(0.1)
+    finally:
+        worker.request_stop("every job settled")
+
+
 def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrument, answers,
-                tally: Tally, prof=None):
+                tally: Tally, prof=None, clock: dict | None = None,
+                arrival_seconds: float | None = None):
     """The workload ingested into a fresh store by the CLI, then `Worker.run` in this process
-    on `engine`, with the CLI's progress sink; the worker loop's phases join `tally`."""
+    on `engine`, with the CLI's progress sink; the worker loop's phases join `tally`. With
+    `arrival_seconds`, the worker follows the store and a thread ingests the jobs over that
+    time (`feed`)."""
+    import threading
+
     from ppqa.bench.workloads import write_batch
     from ppqa.cli.run_progress import make_progress
     from ppqa.store.db import open_db
@@ -255,14 +344,16 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     folder.mkdir(parents=True, exist_ok=True)
     db_path = folder / f"worker-{workload.seed}.db"
     db_path.unlink(missing_ok=True)
-    batch = write_batch(jobs, folder, name=f"batch-{workload.seed}.jsonl")
     t_ingest = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "ppqa", "--db", str(db_path), "ingest", "--batch",
-                    str(batch)], check=True, capture_output=True, text=True)
+    if arrival_seconds is None:
+        ingest(db_path, write_batch(jobs, folder, name=f"batch-{workload.seed}.jsonl"))
+    else:
+        open_db(str(db_path)).close()
     ingest_s = time.perf_counter() - t_ingest
     db = open_db(str(db_path))
     model = engine.model_name
-    options = loop.WorkerOptions(model=model, device=str(engine.device), mode=mode)
+    options = loop.WorkerOptions(model=model, device=str(engine.device), mode=mode,
+                                 follow=arrival_seconds is not None)
     progress = make_progress(lambda: waiting_questions(db, model))
     worker = loop.Worker(db, engine, options, progress)
     new_session = worker._new_session
@@ -290,6 +381,12 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
     worker._on_answer = answered
     sync(engine)
     t0 = time.perf_counter()
+    if clock is not None:
+        clock["t0"] = t0
+    arrivals = {"t0": t0, "ticks": []}
+    if arrival_seconds is not None:
+        threading.Thread(target=feed, args=(worker, db_path, jobs, folder, arrival_seconds,
+                                            arrivals), daemon=True).start()
     try:
         summary = worker.run()
     finally:
@@ -304,9 +401,12 @@ def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrum
         failed = [j.error for j in summary.jobs if j.error]
         raise SystemExit(f"no job of the pass was answered ({len(summary.jobs)} claimed); "
                          f"first error: {failed[0] if failed else 'none reported'}")
-    return t0, tally.calls["decode"], wall, stats, {
-        "ingest_s": ingest_s, "jobs_done": done, "jobs": len(summary.jobs),
-        "worker_wall_s": summary.wall_seconds, "questions_answered": summary.questions}
+    extra = {"ingest_s": ingest_s, "jobs_done": done, "jobs": len(summary.jobs),
+             "worker_wall_s": summary.wall_seconds, "questions_answered": summary.questions}
+    if arrival_seconds is not None:
+        extra["arrival_ticks"] = arrivals["ticks"]
+        extra["last_answer_s"] = (answers[-1] - t0) if answers else None
+    return t0, tally.calls["decode"], wall, stats, extra
 
 
 def trace_cudnn(calls: list[list]) -> None:
@@ -347,8 +447,11 @@ def main() -> None:
     ap.add_argument("--max-batch-requests", type=int, default=None,
                     help="EngineConfig.max_batch_requests (requests decoded together)")
     ap.add_argument("--paths", default=None,
-                    help="comma-separated 'session' or 'worker', one per pass (default: session "
-                         "for every pass); a worker pass runs ppqa's worker over a fresh store")
+                    help="comma-separated 'session', 'worker' or 'arrivals', one per pass "
+                         "(default: session for every pass); a worker pass runs ppqa's worker "
+                         "over a fresh store, an arrivals pass feeds that store while it runs")
+    ap.add_argument("--arrival-seconds", type=float, default=6.0,
+                    help="arrivals passes: the jobs are ingested over this many seconds")
     ap.add_argument("--profile-pass", type=int, default=None, metavar="N",
                     help="run pass N (from 0) under torch.profiler: GPU seconds by kernel kind "
                          "for the prefill and the decode, and the GPU's busy share "
@@ -401,15 +504,16 @@ def main() -> None:
     if args.trace_cudnn:
         trace_cudnn(cudnn_calls)
     paths = args.paths.split(",") if args.paths else ["session"] * args.passes
-    if any(p not in ("session", "worker") for p in paths):
-        ap.error(f"--paths takes 'session' and 'worker', got {args.paths!r}")
+    if any(p not in ("session", "worker", "arrivals") for p in paths):
+        ap.error(f"--paths takes 'session', 'worker' and 'arrivals', got {args.paths!r}")
     for p, path in enumerate(paths):
         prof = Profile() if p == args.profile_pass else contextlib.nullcontext()
         syncs = SyncLog() if p == args.sync_check else contextlib.nullcontext()
         with prof, syncs:
             run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p),
                            args.mode, args.max_docs, phase, compiles, path, Path(args.folder),
-                           prof=prof if p == args.profile_pass else None)
+                           prof=prof if p == args.profile_pass else None,
+                           arrival_seconds=args.arrival_seconds)
         if p == args.profile_pass:
             run["gpu_time"] = prof.summary()
         if p == args.sync_check:
@@ -441,6 +545,11 @@ def main() -> None:
               f"{run['first_answer_s']:.2f} s; steps {stats['steps']}, max batch "
               f"{stats['max_batch_requests']}", flush=True)
         print("  decode steps by batch:", Counter(run["decode_steps_by_batch"]).most_common(8))
+        ts = run["trace_summary"]
+        print(f"  decode steps {ts['decode_steps']}, mean rows {ts['mean_rows']} "
+              f"(padded {ts['mean_padded']}); by padded rows {ts['steps_by_padded_rows']}")
+        for i, cell in enumerate(ts["spans"]):
+            print(f"    {i * ts['span_s']:6.2f} s: {cell}")
         print("  allocator:", run["allocator"])
         if "gpu_time" in run:
             print_summary(run["gpu_time"])
