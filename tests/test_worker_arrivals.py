@@ -1,6 +1,7 @@
 """A job ingested between two full claims is claimed within a look for new job ids
 (`lookups.newest_job_id`, every `pacing.ARRIVAL_PROBE_SECONDS`), not at the next `poll_seconds`:
-by an idle following worker and by a busy one. The real engine on `dummy:tiny-mha` (CPU) and a
+by an idle following worker and by a busy one, which claims the rest of that ingest's jobs at
+the turns after (one document a turn). The real engine on `dummy:tiny-mha` (CPU) and a
 real SQLite store; `poll_seconds` is a minute, so a worker that waited for its full claim fails
 the test (a bounded wait, never a hang). Order is read from the store and the worker's events."""
 
@@ -118,6 +119,35 @@ def test_a_busy_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engi
     assert _times(sqlite_db, late[0]).started_at < _times(sqlite_db, long_job).finished_at
     kinds = [e[:2] for e in sink.events]
     assert kinds.index(("claimed", (late[0],))) < kinds.index(("settled", long_job))
+
+
+def test_a_busy_worker_claims_every_job_of_one_ingest_before_its_poll(sqlite_db, add_job, engine,
+                                                                    monkeypatch):
+    """One look finds an ingest's newest job id; a busy worker claims one document a turn, so
+    the ingest's other jobs come from the claims that follow the first, not from the full claim
+    a minute later (or after the busy job ends)."""
+    long_job = _long_job(sqlite_db, add_job)
+    late: list[int] = []
+    towns = ("Orrin", "Pell", "Marrow")
+
+    def ingest_three_then_a_slow_step(n: int) -> None:
+        if n == 5:  # one ingest of three documents while the long job decodes
+            late.extend(add_job(sqlite_db, f"{town} is a river town with {i + 2} bridges.",
+                                ["How many bridges?"], max_new_tokens=2, mode="stock")
+                        for i, town in enumerate(towns))
+        if n == 6:
+            time.sleep(pacing.ARRIVAL_PROBE_SECONDS * 1.5)
+
+    on_each_step(monkeypatch, engine, ingest_three_then_a_slow_step)
+    sink = _Events()
+    summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
+
+    assert summary.count("done") == 4 and len(late) == 3
+    kinds = [e[:2] for e in sink.events]
+    long_settled = kinds.index(("settled", long_job))
+    for job in late:
+        assert kinds.index(("claimed", (job,))) < long_settled, (job, sink.events)
+        assert _times(sqlite_db, job).started_at < _times(sqlite_db, long_job).finished_at
 
 
 def test_a_store_that_cannot_answer_the_look_still_serves_jobs(sqlite_db, add_job, engine,

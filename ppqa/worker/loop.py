@@ -222,6 +222,7 @@ class Worker:
                 self._pacer.found_nothing(deferred=getattr(claims, "deferred", False))
                 break
             self._start(claims)
+            self._pacer.claimed()
             got_any = True
             # Idle, the next claims would leave the GPU waiting: it prefills these documents
             # meanwhile. A failure there ends the claims like a failed step.

@@ -4,7 +4,9 @@ what a claim does.
 A worker with work in flight runs a full claim only every `poll_seconds` when the last one
 found nothing, so that its SQL does not sit between every two engine steps; meanwhile it looks
 for a newer job id (`lookups.newest_job_id`, one read) every ARRIVAL_PROBE_SECONDS and claims at
-once when there is one. An idle worker claims at every turn and waits between turns for
+once when there is one. A claim that found jobs is followed by another at the next turn, until
+one finds nothing: a busy worker claims a document a turn, and one look finds an ingest's
+newest job only. An idle worker claims at every turn and waits between turns for
 `poll_seconds`, ended early by a stop or a new job. Among `peers` workers sharing the queue,
 each claims up to an even share of the questions left (`share`).
 """
@@ -57,6 +59,12 @@ class ClaimPacer:
             return False
         self._seen_job_id = newest
         return True
+
+    def claimed(self) -> None:
+        """A claim came back with jobs: claim again at the next turn. A busy worker claims one
+        document a turn, so the rest of what one ingest added (found by one look, whose newer
+        job id it was) waits in the queue until a claim comes back empty."""
+        self._next_claim = 0.0
 
     def found_nothing(self, deferred: bool) -> None:
         """A claim came back empty: the next full one after `poll_seconds`, or as soon as a job
