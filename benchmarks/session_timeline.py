@@ -113,8 +113,8 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
     answers: list[float] = []
     batch_sizes: Counter = Counter()
     sessions: list = []
-    # (seconds since the pass began, what, rows, padded rows, documents): decode steps and
-    # document chunks as the host built them.
+    # (seconds since the pass began, "decode" or "chunk", rows (a chunk's: its tokens), padded
+    # rows, documents): decode steps and document chunks as the host built them.
     trace: list[tuple] = []
     clock = {"t0": time.perf_counter()}
 
