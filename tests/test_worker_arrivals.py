@@ -99,18 +99,26 @@ def _long_job(db, add_job) -> int:
                    max_new_tokens=60, mode="stock")
 
 
-def test_a_busy_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engine, monkeypatch):
-    long_job = _long_job(sqlite_db, add_job)
+def _ingest_while_busy(monkeypatch, engine, ingest) -> list[int]:
+    """At the engine's fifth step (the long job decoding, the full claim a minute off) call
+    `ingest()` for the ids of the jobs it adds; the sixth step lasts as long as a look's
+    period, so the next iteration looks. Returns the list those ids go into."""
     late: list[int] = []
 
-    def ingest_then_a_slow_step(n: int) -> None:
-        if n == 5:  # the long job is decoding by now, the full claim a minute off
-            late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2,
-                                mode="stock"))
-        if n == 6:  # a step as long as a look's period: the next iteration looks
+    def on_step(n: int) -> None:
+        if n == 5:
+            late.extend(ingest())
+        if n == 6:
             time.sleep(pacing.ARRIVAL_PROBE_SECONDS * 1.5)
 
-    on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
+    on_each_step(monkeypatch, engine, on_step)
+    return late
+
+
+def test_a_busy_worker_claims_a_new_job_before_its_poll(sqlite_db, add_job, engine, monkeypatch):
+    long_job = _long_job(sqlite_db, add_job)
+    late = _ingest_while_busy(monkeypatch, engine, lambda: [
+        add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2, mode="stock")])
     sink = _Events()
     summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
 
@@ -127,18 +135,11 @@ def test_a_busy_worker_claims_every_job_of_one_ingest_before_its_poll(sqlite_db,
     the ingest's other jobs come from the claims that follow the first, not from the full claim
     a minute later (or after the busy job ends)."""
     long_job = _long_job(sqlite_db, add_job)
-    late: list[int] = []
     towns = ("Orrin", "Pell", "Marrow")
-
-    def ingest_three_then_a_slow_step(n: int) -> None:
-        if n == 5:  # one ingest of three documents while the long job decodes
-            late.extend(add_job(sqlite_db, f"{town} is a river town with {i + 2} bridges.",
-                                ["How many bridges?"], max_new_tokens=2, mode="stock")
-                        for i, town in enumerate(towns))
-        if n == 6:
-            time.sleep(pacing.ARRIVAL_PROBE_SECONDS * 1.5)
-
-    on_each_step(monkeypatch, engine, ingest_three_then_a_slow_step)
+    late = _ingest_while_busy(monkeypatch, engine, lambda: [  # one ingest of three documents
+        add_job(sqlite_db, f"{town} is a river town with {i + 2} bridges.",
+                ["How many bridges?"], max_new_tokens=2, mode="stock")
+        for i, town in enumerate(towns)])
     sink = _Events()
     summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
 
@@ -159,15 +160,8 @@ def test_a_store_that_cannot_answer_the_look_still_serves_jobs(sqlite_db, add_jo
 
     monkeypatch.setattr(lookups, "newest_job_id", blip)
     long_job = _long_job(sqlite_db, add_job)
-    late: list[int] = []
-
-    def ingest_then_a_slow_step(n: int) -> None:
-        if n == 5:
-            late.append(add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2))
-        if n == 6:
-            time.sleep(pacing.ARRIVAL_PROBE_SECONDS * 1.5)
-
-    on_each_step(monkeypatch, engine, ingest_then_a_slow_step)
+    late = _ingest_while_busy(monkeypatch, engine, lambda: [
+        add_job(sqlite_db, OTHER, ["How many bridges?"], max_new_tokens=2)])
     sink = _Events()
     summary = make_worker(sqlite_db, engine, sink, poll_seconds=POLL_SECONDS).run()
     assert summary.count("done") == 2 and len(late) == 1
