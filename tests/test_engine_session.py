@@ -417,3 +417,46 @@ def test_documents_stay_one_run_through_a_long_session_of_a_full_pool(tmp_path: 
     reference = _reference(tiny_engine(), requests)
     assert {k: a.token_ids for k, a in got.items()} == \
         {k: a.token_ids for k, a in reference.items()}
+
+
+@pytest.mark.parametrize("mode,max_batch,streams", [("stock", 4, None), ("cascade", 4, None),
+                                                    ("parallel", 1, 4)])
+def test_a_batch_ending_on_its_budgets_gives_its_place_before_its_last_step_is_read(
+        tmp_path: Path, mode, max_batch, streams) -> None:
+    """A full batch whose answers all end at one step (their token budgets): the requests
+    waiting for its rows are admitted, and their document prefilled, while that last step is
+    still in flight, and its answers are delivered after (read while the device prefills the
+    next ones). Tokens stay stock's (fp32)."""
+    eng = tiny_engine("tiny-mha", seed=5, max_batch_requests=max_batch)
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(mode)
+    first = _requests(rng, text(rng, 70), 4, tmpl, "a", budget=6)
+    later = _requests(rng, text(rng, 90), 4, tmpl, "b", budget=5)
+    expected = _reference(eng, first + later)
+    events: list[tuple[str, str]] = []
+    got: dict[object, Answer] = {}
+
+    def on_answer(request: QuestionRequest, answer: Answer) -> None:
+        got[request.key] = answer
+        events.append(("answer", request.key[0]))
+
+    session = eng.session(on_answer=on_answer)
+    admit = session.sched.admit
+
+    def logged_admit():
+        admitted = admit()
+        events.extend(("admit", r.streams[0].key.key[0]) for r in admitted)
+        return admitted
+
+    session.sched.admit = logged_admit
+    session.submit(first, mode=mode, streams=streams)
+    session.submit(later, mode=mode, streams=streams)
+    session.drain()
+    stats = session.close()
+    assert stats.left_early == (1 if streams else 4)
+    assert events.index(("admit", "b")) < events.index(("answer", "a"))
+    assert not session.sched.leaving
+    assert set(got) == set(expected)
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key
+

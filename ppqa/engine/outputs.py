@@ -114,6 +114,8 @@ class RunStats:
     # decode steps whose forward was launched before the step in flight was read back
     overlapped_steps: int = 0
     max_batch_requests: int = 0  # most requests decoded together in one step
+    # requests that gave their place to waiting ones while their last step was in flight
+    left_early: int = 0
     streams: int = 1  # P (1 for stock and cascade)
     mode: str = "stock"  # the resolved mode ("mixed" when document groups differ)
     peak_memory_bytes: int = 0  # GPU only

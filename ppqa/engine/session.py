@@ -156,7 +156,8 @@ class EngineSession(SessionPrefill):
         """Questions submitted and not yet answered, rejected or cancelled."""
         sched = self.sched
         return self._intake.pending_questions + len(
-            {id(st.key) for r in [*sched.waiting, *sched.prefilling, *sched.running]
+            {id(st.key) for r in [*sched.waiting, *sched.prefilling, *sched.running,
+                                  *sched.leaving]
              for st in r.streams if not st.cancelled and not st.is_finished})
 
     def has_work(self) -> bool:
@@ -175,6 +176,8 @@ class EngineSession(SessionPrefill):
             self._flush()
             return False
         self._iteration += 1
+        if self._in_flight is not None and sched.waiting:
+            self.stats.left_early += sched.release_leaving(self._in_flight.step.uid)
         if sched.should_admit():
             sched.admit()
         # While others decode, one document chunk and one question prefill an iteration.
@@ -247,8 +250,8 @@ class EngineSession(SessionPrefill):
     def _decode(self) -> None:
         begin = time.perf_counter()
         batches = self.sched.decode_batches(self._unread_steps())
-        if not batches and self._unsettled:  # nothing else to run: the new requests now
-            self._settle_prefill()
+        if not batches and self._unsettled:  # nothing else to run: the new requests now,
+            self._flush()  # after the step in flight is read while the device prefills them
             batches = self.sched.decode_batches()
         for i, batch in enumerate(batches):
             if i:  # the step read back by the batch before may have finished some of these
@@ -325,7 +328,8 @@ class EngineSession(SessionPrefill):
             # not charge the device work queued after it. On the CPU, where a launch runs the
             # step, from its launch (or the previous step's read, when it was launched behind
             # that one) to its tokens, so that steps in flight together count once.
-            fed = [s for req, mask in zip(step.requests, step.fed) if req.row >= 0
+            fed = [s for req, mask in zip(step.requests, step.fed)
+                   if req.row >= 0 or req.left_early
                    for i, s in enumerate(req.streams) if mask[i]]
             seconds = launched.device_seconds()
             if seconds is None:

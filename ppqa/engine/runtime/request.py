@@ -100,6 +100,9 @@ class Request:
         # The step whose sampled tokens are still on the device (its id, this request's first
         # logit row in it), or -1: the next step takes this request's input tokens from there.
         self.pending_step, self.pending_row = -1, 0
+        # Its row, slots and document reference given back while its last step was in flight
+        # (`Scheduler.release_leaving`): that step's tokens are still to be accepted.
+        self.left_early = False
         self.temperature = np.array([s.sampling.temperature for s in self.streams] + [0.0] * pad,
                                     dtype=np.float32)
         self.top_p = np.array([s.sampling.top_p for s in self.streams] + [1.0] * pad, dtype=np.float32)

@@ -11,7 +11,10 @@ Admitted requests wait in `prefilling` while their document is prefilled in chun
 between chunks); then `questions_ready` hands out those whose document is ready, and
 `prefill_step` prefills their questions in one packed extend. From then on every running request
 decodes each step. A request leaves as soon as all its streams are finished (or cancelled),
-freeing its slots and row, and waiting requests take its place.
+freeing its slots and row, and waiting requests take its place; one whose every stream has its
+last budgeted token in the step in flight leaves before that step is read (`release_leaving`),
+so that the requests waiting for its place are admitted and prefilled behind that step instead
+of after its read-back.
 
 Each request has its own mode. One step serves every width-1 request (`stock` and `cascade`):
 cascade requests grouped by document read it once per group, stock requests read their own rows
@@ -55,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted; document or questions not prefilled yet
         self.running: list[Request] = []
+        self.leaving: list[Request] = []  # place given back; last tokens in a step not yet read
         self._doc_next: dict[int, int] = {}  # id(doc) -> its next token to prefill
         self._step_ids = itertools.count(1)
         # The last `admit` stopped for want of rows, KV or batch room: retry after a release.
@@ -131,6 +135,25 @@ class Scheduler:
         self.prefilling.extend(admitted)
         return admitted
 
+    def release_leaving(self, step_uid: int) -> int:
+        """Running requests whose every live stream has its last budgeted token in the step
+        `step_uid` (in flight) give back their slots, row and document reference now; they wait
+        in `leaving` until `postprocess` of that step accepts those tokens. Whoever takes the
+        place next runs on the device behind that step: the slots' last K/V writes and the
+        row's reads are ordered before any new owner's (table writes reach the device in a
+        later step's `prepare`). The session reads that step within the same iteration, so
+        `leaving` is empty between iterations. Returns how many left."""
+        going = [r for r in self.running if r.pending_step == step_uid
+                 and not (r.feeds_one() if r.width == 1 else r.schedulable().any())]
+        if not going:
+            return 0
+        self.release_all(going)
+        for req in going:
+            req.left_early = True
+        self.leaving.extend(going)
+        self.running = [r for r in self.running if r.row >= 0]
+        return len(going)
+
     def _room_for_group(self, doc_key, free_rows: int) -> bool:
         """Whether a new document's cascade group may start beside the requests running: with
         rows free for all of its waiting requests, or for a quarter of the batch if it has more.
@@ -195,6 +218,7 @@ class Scheduler:
         self.release_all(self.prefilling + self.running)
         self.prefilling.clear()
         self.running.clear()
+        self.leaving.clear()
         self.waiting.clear()
         self._doc_next.clear()
 
@@ -325,7 +349,7 @@ class Scheduler:
         finished: list[Stream] = []
         done: list[Request] = []
         for req, base, fed in zip(step.requests, step.bases, step.fed):
-            if req.row < 0:
+            if req.row < 0 and not req.left_early:
                 continue
             if req.pending_step == step.uid:
                 req.pending_step = -1  # its tokens are on the host now
@@ -340,6 +364,8 @@ class Scheduler:
                 done.append(req)
         self.release_all(done)
         self.running = [r for r in self.running if r.row >= 0]
+        if self.leaving:
+            self.leaving = [r for r in self.leaving if not r.is_finished]
         return finished
 
 
