@@ -129,12 +129,17 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step timeline256 90 python3 benchmarks/session_timeline.py --workload paper --out "$OUT/timeline256.json"
       step timeline512 90 python3 benchmarks/session_timeline.py --workload paper --max-batch-requests 512 \
         --out "$OUT/timeline512.json" ;;
-    wtimelinemb)  # the paper mix through the worker, two passes, at each batch ceiling of
-      # WTL_BATCHES (default 256 512), one process each: the second pass's wall is the figure
-      for b in ${WTL_BATCHES:-256 512}; do
-        step "wtimeline_b$b" 150 python3 benchmarks/session_timeline.py --workload paper \
-          --paths worker,worker --max-batch-requests "$b" --folder "/tmp/wtimeline$b" \
-          --out "$OUT/wtimeline_b$b.json"
+    wtimelinemb)  # workloads through the worker, two passes, at each batch ceiling of
+      # WTL_BATCHES (default 256 512), one process each: the second pass's wall is the figure.
+      # WTL_WORK: "WORKLOAD:DOCS[:PATH]" specs (default paper:8; PATH worker or arrivals)
+      for spec in ${WTL_WORK:-paper:8}; do
+        IFS=: read -r w n path <<< "$spec"
+        path=${path:-worker}
+        for b in ${WTL_BATCHES:-256 512}; do
+          step "wtimeline_${w}_${path}_b$b" 150 python3 benchmarks/session_timeline.py \
+            --workload "$w" --max-docs "$n" --paths "$path,$path" --max-batch-requests "$b" \
+            --folder "/tmp/wtimeline$b" --out "$OUT/wtimeline_${w}_${path}_b$b.json"
+        done
       done ;;
     wtimeline)  # the paper mix through a bare session and through the worker, one process
       step wtimeline 240 python3 benchmarks/session_timeline.py --workload paper \
