@@ -45,21 +45,40 @@ def _query_tiles(group: int, size: int, contiguous: bool) -> int:
     return tiling(GPU, torch.bfloat16, group, size, contiguous=contiguous)[2]
 
 
+def _tile(group: int, size: int, contiguous: bool):
+    from ppqa.kernels.cascade import tiling
+
+    return tiling(GPU, torch.bfloat16, group, size, contiguous=contiguous)[:2]
+
+
 def test_a_cascade_graphs_group_bound_fills_no_more_query_tiles_than_its_steps():
     # The bound a captured cascade step is planned for: it holds the step's largest group,
-    # stays within the power of two above it, and spans exactly the query tiles that group
-    # fills, so the document kernel's splits are planned for tiles that work (GPU tiling,
-    # computed on the host: no device needed).
+    # stays within the power of two above it or within one query tile, and spans exactly the
+    # query tiles that group fills, with the kernel tile of that power of two, so the
+    # document kernel's splits are planned for tiles that work (GPU tiling, computed on the
+    # host: no device needed).
     for group in (1, 2, 4, 6, 7, 8):
         for contiguous in (True, False):
             for size in range(1, 257):
                 bound = group_size_bound(GPU, torch.bfloat16, group, size, contiguous)
-                assert size <= bound <= 1 << (size - 1).bit_length(), (group, size, bound)
+                pow2 = 1 << (size - 1).bit_length()
+                one_tile = _tile(group, pow2, contiguous)[1] // group
+                assert size <= bound <= max(pow2, one_tile), (group, size, bound)
                 assert _query_tiles(group, bound, contiguous) == \
                     _query_tiles(group, size, contiguous), (group, size, bound)
+                assert _tile(group, bound, contiguous) == _tile(group, pow2, contiguous)
     # Qwen2.5-7B (7 query heads a KV head): 18 questions fill one 128-row tile, not two of 32
     assert group_size_bound(GPU, torch.bfloat16, 7, 18, True) == 18
-    assert group_size_bound(GPU, torch.bfloat16, 1, 18, True) == 32  # MHA: a power of two
+    assert group_size_bound(GPU, torch.bfloat16, 1, 65, True) == 128  # MHA: a power of two
+
+
+def test_groups_that_fit_one_query_tile_share_one_bound():
+    # MHA over a contiguous document: every group of up to 64 requests takes one 64-row tile,
+    # so steps whose largest group is 1, 16, 32 or 64 requests replay one graph
+    assert {group_size_bound(GPU, torch.bfloat16, 1, n, True) for n in range(1, 65)} == {64}
+    # Qwen2.5-7B: groups of up to 8 requests take a 64-row tile (9 requests), 9-18 a 128-row one
+    assert {group_size_bound(GPU, torch.bfloat16, 7, n, True) for n in range(1, 9)} == {9}
+    assert {group_size_bound(GPU, torch.bfloat16, 7, n, True) for n in range(9, 19)} == {18}
 
 
 def test_graphs_of_cascade_steps_are_keyed_by_the_backends_group_bound():

@@ -137,15 +137,24 @@ def tiling(device, dtype, group: int, max_group_size: int, tiles: _arch.Tiles | 
 
 def group_size_bound(device, dtype, group: int, size: int, contiguous: bool) -> int:
     """The group size a CUDA graph of cascade steps is captured for, given a step's largest
-    group: a power of two, or fewer where a whole number of query tiles holds `size`. The
-    graph's grid and its document splits are fixed for the bound: a bound past the query
-    tiles the step's groups fill plans its splits for tiles that return at once, so fewer
-    CTAs work than the GPU has room for (Qwen2.5-7B, 18 requests a group: 32 gave 2 query
-    tiles where one is busy, hence 2 splits where 5 fit, and its document kernel ran at about
-    half the rate of the exact plan; results/h200/cascade_groups_bounds_s19c4.json)."""
+    group: a power of two, or fewer where a whole number of query tiles holds `size`; and
+    where `size` fits one query tile, that tile's requests (when the kernel tile for them is
+    the one for that power of two). The graph's grid and its document splits are fixed for
+    the bound: a bound past the query tiles the step's groups fill plans its splits for tiles
+    that return at once, so fewer CTAs work than the GPU has room for (Qwen2.5-7B, 18
+    requests a group: 32 gave 2 query tiles where one is busy, hence 2 splits where 5 fit,
+    and its document kernel ran at about half the rate of the exact plan;
+    results/h200/cascade_groups_bounds_s19c4.json). Within one tile every size plans alike,
+    so steps whose largest groups differ there share one graph: documents of 16 questions
+    arriving while others decode met groups of 16, 32 and 64 requests, each a graph of its
+    own, where one 64-row tile serves them all
+    (results/h100/wtimeline_labeling_arrivals_b256_s40c2.json)."""
     bound = triton.next_power_of_2(size)
-    _, block_m, _ = tiling(device, dtype, group, bound, contiguous=contiguous)
+    tiles, block_m, _ = tiling(device, dtype, group, bound, contiguous=contiguous)
     per_tile = max(1, block_m // group)
+    if size <= per_tile and \
+            tiling(device, dtype, group, per_tile, contiguous=contiguous)[:2] == (tiles, block_m):
+        return per_tile
     return min(bound, triton.cdiv(size, per_tile) * per_tile)
 
 
