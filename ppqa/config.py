@@ -112,7 +112,7 @@ class EngineConfig:
     # Requests decoded together (rows of the req_to_token table). 512 decodes work queued up
     # front 2.6-4.7% faster and arriving work 6-10% slower (more step shapes, each run eagerly
     # before its capture), and crowds an H100's pool on the paper mix:
-    # benchmarks/results/h100/wtimeline_*_b{256,512}_s40c{1,2}.json.
+    # benchmarks/results/h100/wtimeline*_b{256,512}_s40c{1,2}.json.
     max_batch_requests: int = 256
     default_streams: int = 32  # P when a parallel run is given streams=None
     # Decode steps captured as CUDA graphs, B padded to a power of two (None: on CUDA only).
