@@ -109,9 +109,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_token_budget: int = 65536  # KV pool size in tokens on the CPU
     mem_fraction: float = 0.85  # GPU: fraction of the free memory (after weights) for the KV pool
-    # Requests decoded together (rows of the req_to_token table). 512 decodes work queued up
-    # front 2.6-4.7% faster and arriving work 6-10% slower (more step shapes, each run eagerly
-    # before its capture), and crowds an H100's pool on the paper mix:
+    # Requests decoded together (rows of the req_to_token table). Not 512: what it gains on
+    # work queued up front, arriving work loses to more step shapes (each run eagerly before
+    # its capture), and long documents with 512 requests' reservations crowd an 80 GB pool:
     # benchmarks/results/h100/wtimeline*_b{256,512}_s40c{1,2}.json.
     max_batch_requests: int = 256
     default_streams: int = 32  # P when a parallel run is given streams=None
