@@ -241,6 +241,13 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
     arrivals6)  # the same jobs arriving faster than one worker answers them (labeling's run
       # takes ~8 s): its throughput against labeling's up-front run, issue 18's 10% target
       TAG=arrivals6 e2e arrivals 150 --max-docs 50 --arrival-seconds 6 ;;
+    loadtime)  # a 7B-sized HF folder (CodeLlama-7B's shapes, ~13.5 GB in 5 GB shards) read
+      # to the GPU: the loader's streamed reads against a memory-mapped read, and Engine(folder),
+      # with the shards out of the page cache, then in it
+      step loadtime_cold 300 python3 benchmarks/load_time.py --model dummy:codellama-7b+bpe \
+        --folder /tmp/ppqa-7b --baseline --out "$OUT/load_time_cold.json"
+      step loadtime_warm 120 python3 benchmarks/load_time.py --model dummy:codellama-7b+bpe \
+        --folder /tmp/ppqa-7b --baseline --cached --out "$OUT/load_time_warm.json" ;;
     gguf1)  # the real SmolLM2 GGUF is over one call's carry: its first part waits in /tmp
       step gguf1 30 cp .gguf.1 /tmp/smollm2.gguf.1 ;;
     same)  # ... and the second part comes with this call (same_answers.py: real weights)

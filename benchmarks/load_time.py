@@ -3,7 +3,8 @@
 Writes the folder once (config.json + 5 GB safetensors shards + index + SmolLM2's tokenizer;
 skipped when FOLDER already has a config.json, unless --rewrite), then times `load_model`, a read
 of every weight to the device and the whole `Engine(FOLDER)` construction, each after dropping the
-shards from the page cache, and prints one JSON object (also written to --out).
+shards from the page cache (or, with --cached, after reading them through once), and prints one
+JSON object (also written to --out). --baseline also times a memory-mapped read.
 
     python benchmarks/load_time.py --model dummy:codellama-7b+bpe --folder /tmp/ppqa-7b \
         --device cuda --drop-caches [--out load_time.json]
@@ -36,6 +37,12 @@ def main() -> None:
     parser.add_argument("--drop-caches", action="store_true",
                         help="also drop the whole page cache before each timing (root; only on a "
                              "machine of your own, such as the GPU machine)")
+    parser.add_argument("--cached", action="store_true",
+                        help="time with the shards in the page cache (read through once first) "
+                             "instead of evicted")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also time a memory-mapped read (get_tensor + .to(device)), the "
+                             "loader's CPU path, under the same page-cache condition")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -48,7 +55,8 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     result["load"] = time_load(args.folder, device=args.device, dtype=dtype,
-                               engine=not args.no_engine, drop_caches=args.drop_caches)
+                               engine=not args.no_engine, drop_caches=args.drop_caches,
+                               cached=args.cached, baseline=args.baseline)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

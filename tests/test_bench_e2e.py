@@ -231,6 +231,10 @@ def test_hf_folder_from_dummy_weights_loads_back_to_the_same_model(smollm2, tmp_
     assert written["shards"] == len(list(folder.glob("*.safetensors"))) > 1
     timed = time_load(folder, dtype=torch.float32, engine=False)
     assert timed["tensors"] > 0 and timed["read_gb_per_s"] > 0
+    assert timed["page_cache"] == "cold" and "mmap_read_s" not in timed
+    cached = time_load(folder, dtype=torch.float32, engine=False, cached=True, baseline=True)
+    assert cached["page_cache"] == "warm" and cached["prepared"] == "read once"
+    assert cached["tensors"] == timed["tensors"] and cached["mmap_read_gb_per_s"] > 0
     want, got = load_model("dummy:tiny-gqa+bpe"), load_model(str(folder))
     assert got.config.vocab_size == want.config.vocab_size
     assert (got.config.num_layers, got.config.attention_bias) == (3, True)  # qwen2 layout

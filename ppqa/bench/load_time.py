@@ -7,9 +7,11 @@ SmolLM2's is saved with it). `time_load(folder)` then times, each after asking t
 shards from its page cache (fsync + posix_fadvise DONTNEED; with `drop_caches=True` also the
 whole machine's page cache, as root only: not on a machine others share):
     load_model(folder)     config, shape checks, tokenizer (reads no weights)
-    read                   every weight through the loader to the device (hf.py: safe_open,
-                           memory-mapped, one tensor at a time), GB/s of the files' bytes
+    read                   every weight through the loader to the device (hf.py: to a GPU
+                           streamed by byte runs, elsewhere memory-mapped), GB/s of the files'
+                           bytes; with `baseline` also `mmap_read` (get_tensor + .to(device))
     Engine(folder)         the whole construction: weights, KV pool and the rest
+With `cached`, each timing starts with the shards in the page cache instead (read once).
 `benchmarks/load_time.py` is the command line.
 """
 
@@ -121,21 +123,53 @@ def evict(folder: Path, drop_caches: bool = False) -> str:
     return ", ".join(done)
 
 
+def warm(folder: Path) -> str:
+    """Read every shard through once, so that the page cache holds them (a second run's case)."""
+    for path in shard_files(folder):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+    return "read once"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def mmap_read(folder: Path, device: torch.device, dtype: torch.dtype) -> int:
+    """Every weight read the way the loader reads CPU weights, onto `device`: safetensors'
+    memory-mapped `get_tensor`, then `.to(device, dtype)` one tensor at a time (the baseline
+    the GPU's streamed reads are measured against)."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in shard_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                count += 1
+                del tensor
+    _sync(device)
+    return count
+
+
 def time_load(folder: Path, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-              engine: bool = True, drop_caches: bool = False) -> dict:
-    """Time the three steps of the module doc on `folder`; seconds and GB/s."""
+              engine: bool = True, drop_caches: bool = False, cached: bool = False,
+              baseline: bool = False) -> dict:
+    """Time the steps of the module doc on `folder`; seconds and GB/s. Each timing starts with
+    the shards out of the page cache, or with `cached` in it (read through once). `baseline`
+    also times `mmap_read` under the same condition."""
     from ppqa.engine.loading.loader import load_model
+
+    def prepare() -> str:
+        return warm(folder) if cached else evict(folder, drop_caches)
 
     dev = torch.device(device)
     file_bytes = sum(p.stat().st_size for p in shard_files(folder))
     out: dict = {"folder": str(folder), "device": str(dev), "dtype": str(dtype),
-                 "file_bytes": file_bytes}
-    out["evicted"] = evict(folder, drop_caches)
+                 "file_bytes": file_bytes, "page_cache": "warm" if cached else "cold"}
+    out["prepared"] = prepare()
     t0 = time.perf_counter()
     loaded = load_model(str(folder), device=dev, dtype=dtype)
     out["load_model_s"] = time.perf_counter() - t0
@@ -148,13 +182,19 @@ def time_load(folder: Path, *, device: str = "cpu", dtype: torch.dtype = torch.b
     out["read_s"] = time.perf_counter() - t0
     out["tensors"] = count
     out["read_gb_per_s"] = file_bytes / out["read_s"] / 1e9
+    if baseline:
+        prepare()
+        t0 = time.perf_counter()
+        mmap_read(folder, dev, dtype)
+        out["mmap_read_s"] = time.perf_counter() - t0
+        out["mmap_read_gb_per_s"] = file_bytes / out["mmap_read_s"] / 1e9
     if engine:
         from ppqa import Engine
 
         del loaded
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        evict(folder, drop_caches)
+        prepare()
         t0 = time.perf_counter()
         eng = Engine(str(folder), device=str(dev), dtype=dtype)
         _sync(dev)

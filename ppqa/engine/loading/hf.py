@@ -1,8 +1,10 @@
 """Hugging Face model directories: config.json -> ModelConfig, safetensors -> weights, tokenizer.
 
 Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json`,
-read with safetensors' `safe_open` one tensor at a time (memory-mapped) and converted to the
-requested dtype and device as the iterator reaches them. Pickled checkpoints (.bin/.pt) are refused:
+converted to the requested dtype and device as the iterator reaches them: to a GPU, each shard's
+tensors as byte runs read from the header's offsets through pinned buffers
+(`streaming.stream_runs`); elsewhere through safetensors' `safe_open`, one tensor at a time,
+memory-mapped. Pickled checkpoints (.bin/.pt) are refused:
 unpickling runs arbitrary code. The tokenizer and its chat template come from the directory through
 `transformers.AutoTokenizer` with `local_files_only=True` (never the hub); extra EOS ids (Llama 3's
 <|eot_id|>...) come from generation_config.json.
@@ -17,11 +19,13 @@ from typing import Any
 
 import torch
 
+from ppqa.engine.loading.streaming import TensorRun, stream_runs
 from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 from ppqa.engine.model.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INDEX_FILE = "model.safetensors.index.json"
+_SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _read_json(path: Path) -> dict:
@@ -115,6 +119,16 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
 
 def _weights(files: dict[str, Path], names: list[str], device: torch.device,
              dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each named tensor on `device` in `dtype`: to a GPU through pinned buffers
+    (`streaming.stream_runs`), elsewhere from the memory-mapped file."""
+    runs = _runs(files, names) if device.type == "cuda" else None
+    if runs is not None:
+        try:
+            for name, tensor in stream_runs(runs, device):
+                yield name, tensor.to(dtype)
+        except OSError as e:
+            raise ModelLoadError(f"cannot read weights: {e}") from e
+        return
     from safetensors import safe_open
 
     by_file: dict[Path, list[str]] = {}
@@ -129,6 +143,42 @@ def _weights(files: dict[str, Path], names: list[str], device: torch.device,
             raise
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"{str(shard)!r}: cannot read weights: {e}") from e
+
+
+def _header(shard: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data
+    begins: an 8-byte little-endian length, then that many bytes of JSON."""
+    with open(shard, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
+
+
+def _runs(files: dict[str, Path], names: list[str]) -> list[TensorRun] | None:
+    """The named tensors' byte runs, shard by shard in file order; None where a tensor's dtype
+    is not a float type (the memory-mapped path reads those). Offsets past a shard's end are
+    a ModelLoadError."""
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    runs = []
+    for shard, shard_names in by_file.items():
+        try:
+            header, data = _header(shard)
+            size = shard.stat().st_size
+            entries = [(name, header[name]) for name in shard_names]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{str(shard)!r} is not a readable safetensors file: {e}") from e
+        for name, entry in sorted(entries, key=lambda e: e[1]["data_offsets"][0]):
+            dtype = _SAFETENSORS_FLOATS.get(entry["dtype"])
+            if dtype is None:
+                return None
+            begin, end = entry["data_offsets"]
+            if data + end > size:
+                raise ModelLoadError(f"{str(shard)!r}: tensor {name} runs past the end of the "
+                                     f"file ({data + end} > {size} bytes): a truncated download?")
+            runs.append(TensorRun(name, shard, data + begin, end - begin, dtype,
+                                  tuple(entry["shape"])))
+    return runs
 
 
 def _check_shapes(files: dict[str, Path], expected: dict[str, tuple[int, ...]], where: Path) -> None:
