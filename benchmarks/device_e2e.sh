@@ -130,15 +130,19 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step timeline512 90 python3 benchmarks/session_timeline.py --workload paper --max-batch-requests 512 \
         --out "$OUT/timeline512.json" ;;
     wtimelinemb)  # workloads through the worker, two passes, at each batch ceiling of
-      # WTL_BATCHES (default 256 512), one process each: the second pass's wall is the figure.
-      # WTL_WORK: "WORKLOAD:DOCS[:PATH]" specs (default paper:8; PATH worker or arrivals)
+      # WTL_BATCHES (default 256 512; B/W also sets max_wide_requests W), one process each:
+      # the second pass's wall is the figure. WTL_WORK: "WORKLOAD:DOCS[:PATH]" specs (default
+      # paper:8; PATH worker or arrivals)
       for spec in ${WTL_WORK:-paper:8}; do
         IFS=: read -r w n path <<< "$spec"
         path=${path:-worker}
-        for b in ${WTL_BATCHES:-256 512}; do
-          step "wtimeline_${w}_${path}_b$b" 150 python3 benchmarks/session_timeline.py \
+        for bw in ${WTL_BATCHES:-256 512}; do
+          IFS=/ read -r b wide <<< "$bw"
+          tag="b$b${wide:+w$wide}"
+          step "wtimeline_${w}_${path}_$tag" 150 python3 benchmarks/session_timeline.py \
             --workload "$w" --max-docs "$n" --paths "$path,$path" --max-batch-requests "$b" \
-            --folder "/tmp/wtimeline$b" --out "$OUT/wtimeline_${w}_${path}_b$b.json"
+            ${wide:+--max-wide-requests "$wide"} --folder "/tmp/wtimeline$tag" \
+            --out "$OUT/wtimeline_${w}_${path}_$tag.json"
         done
       done ;;
     wtimeline)  # the paper mix through a bare session and through the worker, one process

@@ -446,6 +446,9 @@ def main() -> None:
                          "steady state, kernels compiled and graphs captured")
     ap.add_argument("--max-batch-requests", type=int, default=None,
                     help="EngineConfig.max_batch_requests (requests decoded together)")
+    ap.add_argument("--max-wide-requests", type=int, default=None,
+                    help="EngineConfig.max_wide_requests (past max_batch_requests, for whole "
+                         "large cascade groups; equal to it: never past it)")
     ap.add_argument("--paths", default=None,
                     help="comma-separated 'session', 'worker' or 'arrivals', one per pass "
                          "(default: session for every pass); a worker pass runs ppqa's worker "
@@ -472,7 +475,9 @@ def main() -> None:
     ap.add_argument("--out", default="timeline.json")
     args = ap.parse_args()
     workload = get_workload(args.workload)
-    fields = {} if args.max_batch_requests is None else {"max_batch_requests": args.max_batch_requests}
+    fields = {name: value for name, value in (("max_batch_requests", args.max_batch_requests),
+                                              ("max_wide_requests", args.max_wide_requests))
+              if value is not None}
     engine = Engine(args.model or workload.model, device=args.device, config=EngineConfig(**fields))
     skipped = args.warmup == "cold" and engine.kernels_cached()
     warm_s = 0.0 if skipped else engine.warmup()
@@ -498,7 +503,8 @@ def main() -> None:
     except ImportError:
         pass
     result = {"workload": args.workload, "model": engine.model_name, "mode": args.mode,
-              "max_batch_requests": engine.config.max_batch_requests, "warmup_s": warm_s,
+              "max_batch_requests": engine.config.max_batch_requests,
+              "max_wide_requests": engine.config.wide_requests, "warmup_s": warm_s,
               "passes": []}
     cudnn_calls: list[list] = []
     if args.trace_cudnn:

@@ -109,11 +109,17 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_token_budget: int = 65536  # KV pool size in tokens on the CPU
     mem_fraction: float = 0.85  # GPU: fraction of the free memory (after weights) for the KV pool
-    # Requests decoded together (rows of the req_to_token table). Not 512: what it gains on
-    # work queued up front, arriving work loses to more step shapes (each run eagerly before
-    # its capture), and long documents with 512 requests' reservations crowd an 80 GB pool:
+    # Requests decoded together. Not 512 for every step: what it gains on work queued up
+    # front, arriving work loses to more step shapes (each run eagerly before its capture),
+    # and long documents with 512 requests' reservations crowd an 80 GB pool:
     # benchmarks/results/h100/wtimeline*_b{256,512}_s40c{1,2}.json.
     max_batch_requests: int = 256
+    # Past max_batch_requests, up to this many (rows of the req_to_token table), only by whole
+    # cascade groups of at least half of max_batch_requests that the KV pool holds beside the
+    # requests running: two 16k-token documents of 256 questions decode in one step of 512
+    # (the weights read once for both), while small groups and arriving work keep the shapes
+    # of max_batch_requests. None: twice max_batch_requests; equal to it: never past it.
+    max_wide_requests: int | None = None
     default_streams: int = 32  # P when a parallel run is given streams=None
     # Decode steps captured as CUDA graphs, B padded to a power of two (None: on CUDA only).
     cuda_graphs: bool | None = None
@@ -152,6 +158,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_wide_requests is not None and (
+                not isinstance(self.max_wide_requests, int)
+                or self.max_wide_requests < self.max_batch_requests):
+            raise ValueError(f"EngineConfig.max_wide_requests must be None or an integer >= "
+                             f"max_batch_requests ({self.max_batch_requests}), "
+                             f"got {self.max_wide_requests!r}")
         if self.max_prefill_tokens is not None and (not isinstance(self.max_prefill_tokens, int)
                                                     or self.max_prefill_tokens < 1):
             raise ValueError(f"EngineConfig.max_prefill_tokens must be None or an integer >= 1, "
@@ -160,3 +172,10 @@ class EngineConfig:
                                                 or self.max_row_tokens < 16):
             raise ValueError(f"EngineConfig.max_row_tokens must be None or an integer >= 16, "
                              f"got {self.max_row_tokens!r}")
+
+    @property
+    def wide_requests(self) -> int:
+        """max_wide_requests resolved: the most requests one step may hold."""
+        if self.max_wide_requests is None:
+            return 2 * self.max_batch_requests
+        return self.max_wide_requests

@@ -134,7 +134,7 @@ def assert_pool_holds_only_cached_documents(engine) -> None:
     cached = parts.docs.documents()
     assert parts.pool.allocator.num_free == parts.pool.allocator.capacity - sum(
         d.length for d in cached)
-    assert parts.table.num_free_rows == engine.config.max_batch_requests
+    assert parts.table.num_free_rows == engine.config.wide_requests
     assert all(d.ref_count == 0 for d in cached)
 
 

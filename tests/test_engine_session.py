@@ -254,8 +254,9 @@ def test_a_new_documents_cascade_group_waits_for_room(tmp_path: Path, monkeypatc
     """With the batch nearly full of one document's cascade requests, a second document's
     group does not start on the first row that frees (it would read its whole document every
     step for one query): it starts when a quarter of the rows are free, and its questions
-    then join the steps of the first document's; tokens stay stock's (fp32)."""
-    eng = tiny_engine("tiny-gqa", seed=4, max_batch_requests=8)
+    then join the steps of the first document's; tokens stay stock's (fp32). (No step past the
+    8 rows here: the widening is tested on its own below.)"""
+    eng = tiny_engine("tiny-gqa", seed=4, max_batch_requests=8, max_wide_requests=8)
     tmpl = plain_template(tmp_path)
     rng = random.Random(3)
     first = _requests(rng, text(rng, 120), 8, tmpl, "first", budget=12)
@@ -289,12 +290,55 @@ def test_a_new_documents_cascade_group_waits_for_room(tmp_path: Path, monkeypatc
     assert max(a + b for a, b in steps) == 8
 
 
+@pytest.mark.parametrize("budget,wide", [(4000, True), (350, False)])
+def test_a_large_group_starts_past_the_batch_rows_where_the_pool_holds_it(
+        tmp_path: Path, monkeypatch, budget, wide) -> None:
+    """Two documents of 4 cascade questions with rows for 4: the second group is half of the
+    rows or more, so where the pool holds it beside the first it starts at once, past the 4
+    rows (both decode in steps of 8); where it does not, it waits for the first to leave. A
+    group of one question never goes past the rows. Tokens stay stock's (fp32) either way."""
+    eng = tiny_engine("tiny-gqa", seed=7, max_batch_requests=4, kv_token_budget=budget)
+    assert eng.config.wide_requests == 8
+    tmpl = plain_template(tmp_path)
+    rng = random.Random(7)
+    first = _requests(rng, text(rng, 120), 4, tmpl, "a", budget=8)
+    second = _requests(rng, text(rng, 110), 4, tmpl, "b", budget=8)
+    single = _requests(rng, text(rng, 100), 1, tmpl, "c", budget=8)
+    expected = _reference(eng, first + second + single)
+
+    steps: list[tuple[int, int, int]] = []  # requests of "a", "b" and "c" in each decode step
+    build = Scheduler.decode_step
+
+    def recording(self, requests, **kw):
+        tags = [r.streams[0].key.key[0] for r in requests]
+        steps.append((tags.count("a"), tags.count("b"), tags.count("c")))
+        return build(self, requests, **kw)
+
+    monkeypatch.setattr(Scheduler, "decode_step", recording)
+    got: dict[object, Answer] = {}
+    session = eng.session(on_answer=lambda r, a: got.__setitem__(r.key, a))
+    for group in (first, second, single):
+        session.submit(group, mode="cascade")
+    session.drain()
+    session.close()
+
+    assert set(got) == set(expected)
+    for key, answer in expected.items():
+        assert got[key].token_ids == answer.token_ids, key
+    assert (max(a + b for a, b, _ in steps) == 8) == wide
+    assert all(a + b + c <= 8 for a, b, c in steps)
+    assert all(a + b + c <= 4 for a, b, c in steps if c)  # a group of one stays within them
+    if not wide:
+        assert not any(a and b for a, b, _ in steps)  # the second waited for the first
+
+
 @pytest.mark.parametrize("max_batch", [8, 12])
 def test_small_batches_with_waiting_groups_finish_every_question(tmp_path: Path, max_batch) -> None:
     """Groups of every mode arriving while a batch of a few rows is full: cascade groups of new
     documents wait for room, the others queue behind them in order, and every question is
     still answered with stock's tokens (fp32): the admission rule never leaves work stranded."""
-    eng = tiny_engine("tiny-mha", seed=6, max_batch_requests=max_batch)
+    eng = tiny_engine("tiny-mha", seed=6, max_batch_requests=max_batch,
+                      max_wide_requests=max_batch)
     tmpl = plain_template(tmp_path)
     rng = random.Random(max_batch)
     docs = [text(rng, n) for n in (90, 60, 120, 40)]
@@ -427,7 +471,8 @@ def test_a_batch_ending_on_its_budgets_gives_its_place_before_its_last_step_is_r
     waiting for its rows are admitted, and their document prefilled, while that last step is
     still in flight, and its answers are delivered after (read while the device prefills the
     next ones). Tokens stay stock's (fp32)."""
-    eng = tiny_engine("tiny-mha", seed=5, max_batch_requests=max_batch)
+    eng = tiny_engine("tiny-mha", seed=5, max_batch_requests=max_batch,
+                      max_wide_requests=max_batch)
     tmpl = plain_template(tmp_path)
     rng = random.Random(mode)
     first = _requests(rng, text(rng, 70), 4, tmpl, "a", budget=6)

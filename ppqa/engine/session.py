@@ -86,7 +86,8 @@ class EngineSession(SessionPrefill):
         self.on_answer, self.on_error = on_answer, on_error
         self.sched = Scheduler(parts.pool, parts.table, parts.docs,
                                max_prefill_tokens=engine.config.max_prefill_tokens,
-                               max_batch_requests=engine.config.max_batch_requests)
+                               max_batch_requests=engine.config.max_batch_requests,
+                               max_wide_requests=engine.config.wide_requests)
         self.stats = RunStats()
         self.started = time.perf_counter()
         self._in_flight: Launched | None = None

@@ -131,7 +131,7 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
         num_slots = lockstep.agree_min(num_slots, dev)
     pool = KVPool(num_slots, mc.num_layers, kv_heads, mc.head_dim, dtype=torch_dtype, device=dev)
     row_len = config.max_row_tokens or 4 * mc.max_position_embeddings
-    table = ReqToTokenTable(config.max_batch_requests, min(num_slots, row_len), dev)
+    table = ReqToTokenTable(config.wide_requests, min(num_slots, row_len), dev)
     backend_name, backend = _make_backend(config, dev, pool, model)
     # Graphs need a backend that never syncs with the host inside a step: the Triton one.
     graphs = (dev.type == "cuda" and backend_name == "triton" if config.cuda_graphs is None

@@ -5,7 +5,9 @@ requests from the head of the queue while a req_to_token row is free and the poo
 request's document (cached, or newly allocated, evicting unused documents) plus its reservation
 (every question and its whole answer budget, so a running request never runs out of KV); a
 cascade group of a document that no admitted request holds waits until a share of the rows is
-free (`_room_for_group`).
+free (`_room_for_group`). Rows stop at `max_batch_requests`, except for a whole cascade group of
+at least half that many that the pool holds: it may start past them, up to `max_wide_requests`
+(`_widens`), so that two large documents decode in one step.
 Admitted requests wait in `prefilling` while their document is prefilled in chunks
 (`document_chunk`, at most `max_prefill_tokens` a forward, so running requests keep decoding
 between chunks); then `questions_ready` hands out those whose document is ready, and
@@ -51,10 +53,12 @@ from ppqa.engine.runtime.steps import PlannedStep
 
 class Scheduler:
     def __init__(self, pool: KVPool, table: ReqToTokenTable, docs: DocumentCache, *,
-                 max_prefill_tokens: int, max_batch_requests: int) -> None:
+                 max_prefill_tokens: int, max_batch_requests: int,
+                 max_wide_requests: int | None = None) -> None:
         self.pool, self.table, self.docs = pool, table, docs
         self.max_prefill_tokens = max_prefill_tokens
         self.max_batch_requests = max_batch_requests
+        self.max_wide_requests = max_wide_requests or max_batch_requests
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted; document or questions not prefilled yet
         self.running: list[Request] = []
@@ -63,6 +67,9 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         # The last `admit` stopped for want of rows, KV or batch room: retry after a release.
         self.admit_blocked = False
+        # The document whose whole group is being admitted past max_batch_requests (`_widens`);
+        # its requests left in the queue go on past it in the next `admit`.
+        self._wide_doc = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -101,19 +108,27 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move requests from the queue to running while rows, KV and the prefill budget allow.
         A cascade group of a document that nothing holds yet starts only with room for a
-        share of it (`_room_for_group`)."""
+        share of it (`_room_for_group`), or, a large one the pool holds, past
+        max_batch_requests up to max_wide_requests (`_widens`)."""
         admitted: list[Request] = []
         tokens = 0
         self.admit_blocked = False
         started = {r.doc_key for r in (*self.prefilling, *self.running)}
         while self.waiting:
-            free_rows = self.max_batch_requests - self.active - len(admitted)
+            req = self.waiting[0]
+            taken = self.active + len(admitted)
+            if req.doc_key != self._wide_doc:
+                self._wide_doc = None
+                if req.doc_key not in started and self._widens(req, taken):
+                    self._wide_doc = req.doc_key
+            wide = self._wide_doc
+            limit = self.max_wide_requests if req.doc_key == wide else self.max_batch_requests
+            free_rows = limit - taken
             if free_rows <= 0:
                 self.admit_blocked = True
                 break
-            req = self.waiting[0]
             if (req.mode == "cascade" and started and req.doc_key not in started
-                    and not self._room_for_group(req.doc_key, free_rows)):
+                    and req.doc_key != wide and not self._room_for_group(req.doc_key, free_rows)):
                 self.admit_blocked = True  # retried when a request leaves
                 break
             q_tokens = req.prefill_tokens
@@ -153,6 +168,26 @@ class Scheduler:
         self.leaving.extend(going)
         self.running = [r for r in self.running if r.row >= 0]
         return len(going)
+
+    def _widens(self, req: Request, taken: int) -> bool:
+        """Whether the cascade group at the head of the queue (`req`'s document, none of it
+        admitted yet) starts past max_batch_requests: it does not fit the rows left there, it
+        holds at least half of max_batch_requests, all of it fits max_wide_requests beside the
+        `taken` rows, and the KV pool holds its document and every reservation without
+        evicting a document in use. Whole or not at all: a part of it would leave the rest to
+        start later, decoding its own steps beside the next group."""
+        if self.max_wide_requests <= self.max_batch_requests or req.mode != "cascade":
+            return False
+        group = list(itertools.takewhile(lambda r: r.doc_key == req.doc_key, self.waiting))
+        if (len(group) <= self.max_batch_requests - taken
+                or 2 * len(group) < self.max_batch_requests
+                or taken + len(group) > self.max_wide_requests):
+            return False
+        cached = self.docs.get(req.doc_ids, req.doc_key)
+        need = sum(r.reserve_tokens for r in group) + (0 if cached else len(req.doc_ids))
+        unused = sum(d.length for d in self.docs.documents()
+                     if d.ref_count == 0 and d is not cached)
+        return need <= self.pool.allocator.num_free + unused
 
     def _room_for_group(self, doc_key, free_rows: int) -> bool:
         """Whether a new document's cascade group may start beside the requests running: with
@@ -221,6 +256,7 @@ class Scheduler:
         self.leaving.clear()
         self.waiting.clear()
         self._doc_next.clear()
+        self._wide_doc = None
 
     def cancel(self, doomed: Callable[[object], bool]) -> list[Stream]:
         """Drop every stream whose key `doomed(key)` picks, wherever it is; a request left
