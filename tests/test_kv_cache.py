@@ -62,6 +62,9 @@ def test_a_new_document_evicts_for_one_run_rather_than_take_pieces() -> None:
     e = docs.insert(list(range(300, 310)))  # slots 25..34; 35..40 free
     docs.acquire(c)
     docs.acquire(e)
+    # Said before it is done, and nothing evicted by the asking: no free run of 10, but a and b
+    # with the free slots between them make one; 17 would need c, which is in use.
+    assert docs.holds_run(10) and not docs.holds_run(17) and len(docs) == 4
     d = docs.insert(list(range(400, 410)))
     assert d.start == 1 and d.slots.tolist() == list(range(1, 11))
     assert docs.get(a.token_ids) is None and docs.get(b.token_ids) is None
@@ -73,6 +76,7 @@ def test_a_new_document_evicts_for_one_run_rather_than_take_pieces() -> None:
     docs2.alloc(4)  # 21..24 (a request's slots); 25..30 free
     docs2.acquire(docs2.insert(list(range(500, 503))))  # 25..27; 28..30 free
     assert docs2._evict_for_run(4) is None and docs2.get(big.token_ids) is big
+    assert docs2.holds_run(3) and not docs2.holds_run(4)
 
 
 def test_allocator_rejects_double_free_and_the_sink() -> None:

@@ -149,6 +149,11 @@ class DocumentCache:
             return None
         return self.allocator.alloc(n, high=high)
 
+    def holds_run(self, n: int) -> bool:
+        """Whether a new document of n tokens would be one run: a free run that long, or one
+        that `_evict_for_run` would make of free runs and unused documents."""
+        return n <= self.allocator.longest_run() or self._run_window(n) is not None
+
     def _evict_for_run(self, n: int) -> None:
         """Unused documents next to each other and to free runs, together a run of n slots:
         the window of them that evicts the fewest document slots (at most 2n; the least
@@ -158,6 +163,12 @@ class DocumentCache:
         gprof_labeling_auto_s22c2.json, `captured_keys`), where an eviction costs one more
         prefill if the evicted document comes back. Nothing is evicted when no such window
         exists."""
+        for doc in self._run_window(n) or []:
+            self.drop(doc)
+
+    def _run_window(self, n: int) -> list[CachedDocument] | None:
+        """The unused documents `_evict_for_run` evicts for a run of n slots (None: no window
+        of at most 2n document slots makes one)."""
         # Segments in slot order: free runs and unused documents' runs; anything else (a
         # document in use, a request's slots) separates windows.
         segments = [(start, length, None) for start, length in self.allocator.free_runs()]
@@ -182,9 +193,7 @@ class DocumentCache:
                     if best is None or key < best[0]:
                         best = (key, list(docs))
                     break
-        if best is not None:
-            for doc in best[1]:
-                self.drop(doc)
+        return None if best is None else best[1]
 
     def evict(self, n: int) -> bool:
         """Evict unused documents until at least n more slots are free; False if impossible."""

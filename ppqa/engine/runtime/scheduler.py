@@ -173,9 +173,11 @@ class Scheduler:
         """Whether the cascade group at the head of the queue (`req`'s document, none of it
         admitted yet) starts past max_batch_requests: it does not fit the rows left there, it
         holds at least half of max_batch_requests, all of it fits max_wide_requests beside the
-        `taken` rows, and the KV pool holds its document and every reservation without
-        evicting a document in use. Whole or not at all: a part of it would leave the rest to
-        start later, decoding its own steps beside the next group."""
+        `taken` rows, and the KV pool holds its document, as one run, and every reservation
+        without evicting a document in use. Whole or not at all: a part of it would leave the
+        rest to start later, decoding its own steps beside the next group; and a document
+        gathered from pieces would be read by the slower kernel in every step (with a decode
+        graph and a prefill kernel variant of its own)."""
         if self.max_wide_requests <= self.max_batch_requests or req.mode != "cascade":
             return False
         group = list(itertools.takewhile(lambda r: r.doc_key == req.doc_key, self.waiting))
@@ -184,6 +186,8 @@ class Scheduler:
                 or taken + len(group) > self.max_wide_requests):
             return False
         cached = self.docs.get(req.doc_ids, req.doc_key)
+        if cached is None and not self.docs.holds_run(len(req.doc_ids)):
+            return False
         need = sum(r.reserve_tokens for r in group) + (0 if cached else len(req.doc_ids))
         unused = sum(d.length for d in self.docs.documents()
                      if d.ref_count == 0 and d is not cached)
