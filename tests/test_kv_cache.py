@@ -241,6 +241,24 @@ def test_document_cache_starts_a_longer_document_from_a_cached_one() -> None:
     assert docs.insert(list(range(1, 5)) + [99] * 20).copied == 0
 
 
+def test_document_cache_prefills_whole_when_only_evicting_the_base_makes_one_run() -> None:
+    """Room enough beside the base, but only in pieces: the new document is one run where the
+    base was (and is prefilled whole) instead of two pieces with a copied opening."""
+    pool = filled_pool(61)  # slots 1..60
+    docs = DocumentCache(pool.allocator, pool.copy_slots)
+    base = docs.insert(list(range(1, 21)))  # 1..20
+    base.ready = True
+    gone = docs.insert(list(range(100, 115)))  # 21..35
+    docs.acquire(docs.insert(list(range(200, 210))))  # 36..45, in use
+    docs.drop(gone)
+    docs.drop(docs.insert(list(range(300, 315))))  # 46..60
+    assert pool.allocator.num_free == 30 and pool.allocator.longest_run() == 15
+    assert docs.holds_run(25)  # the base and the 15 free slots after it
+    longer = docs.insert(list(range(1, 21)) + list(range(70, 75)))  # 25 tokens
+    assert longer is not None and longer.copied == 0 and longer.start == 1
+    assert docs.get(list(range(1, 21))) is None
+
+
 def test_document_cache_prefills_whole_when_only_evicting_the_base_makes_room() -> None:
     pool = filled_pool(41)
     docs = DocumentCache(pool.allocator, pool.copy_slots)

@@ -100,11 +100,19 @@ class DocumentCache:
     def insert(self, token_ids: list[int], key: bytes | None = None) -> CachedDocument | None:
         """Allocate slots for a new (not yet prefilled) document; None if even eviction can't.
         Its leading tokens shared with a prefilled document are copied from that one
-        (`CachedDocument.copied`), which is kept from eviction until its K/V are copied."""
+        (`CachedDocument.copied`), which is kept from eviction until its K/V are copied; but
+        not where keeping it would leave the new document in pieces that evicting it would
+        make one run (a gathered document is read by the slower kernel in every step)."""
         ids = np.asarray(token_ids, dtype=np.int64)
         base, shared = self._best_base(ids)
         if base is not None:
             self.acquire(base)
+            if not self.holds_run(len(token_ids)):
+                self.release(base)
+                if self.holds_run(len(token_ids)):
+                    base, shared = None, 0  # one run only where the base goes: prefill it all
+                else:
+                    self.acquire(base)
         slots = self.alloc(len(token_ids))
         if base is not None:
             self.release(base)
