@@ -8,6 +8,7 @@ directory is the reference for the config mapping (rope scaling, q/k/v bias, tie
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -129,8 +130,11 @@ def test_tokenizer_bos_chat_template_and_generation_eos(tmp_path):
     chat = load_model(str(path))
     assert chat.tokenizer.eos_token_ids == [1, 2] == chat.config.eos_token_ids
     prompt = chat.tokenizer.prompt("qa", "the text", ["Why?"])
-    assert chat.tokenizer.hf.decode(prompt.prefix_ids).startswith("<|im_start|>user\n")
-    assert chat.tokenizer.hf.decode(prompt.suffix_ids[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    with_specials = chat.tokenizer.backend.decode  # the checked copy (a JsonTokenizer)
+    assert with_specials(prompt.prefix_ids, skip_special_tokens=False).startswith(
+        "<|im_start|>user\n")
+    assert with_specials(prompt.suffix_ids[0], skip_special_tokens=False).endswith(
+        "<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_refusals_and_broken_dirs(tmp_path):
@@ -163,3 +167,49 @@ def test_refusals_and_broken_dirs(tmp_path):
     (wrong / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="config.json"):
         load_model(str(wrong))
+
+
+def test_a_folders_tokenizer_is_built_once_then_read_without_transformers(tmp_path, ppqa_home):
+    """The first load builds the tokenizer with transformers and keeps a checked copy under
+    $PPQA_HOME/tokenizers; a later process reads that copy and never imports transformers,
+    with the same ids, chat rendering and EOS ids as transformers' own tokenizer. A changed
+    tokenizer file gets a copy of its own, and the earlier one is deleted."""
+    import subprocess
+    import sys
+
+    from ppqa.engine.loading.json_tokenizer import JsonTokenizer
+    from ppqa.engine.loading.tokenizer import HFTokenizer
+
+    path = _dir(tmp_path / "m", QWEN2, chat=True, bos=False)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    first = load_model(str(path)).tokenizer
+    (saved,) = (ppqa_home / "tokenizers").iterdir()
+    assert isinstance(first, JsonTokenizer) and saved.name.startswith("m-")
+    import transformers
+
+    reference = HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(path)),
+                            extra_eos_ids=[1, 2])
+    text, chat = "the hello\n\n  Why?", [{"role": "user", "content": "so the hello"}]
+    assert first.encode(text) == reference.encode(text)
+    assert first.render_messages(chat) == reference.render_messages(chat)
+    assert first.eos_token_ids == reference.eos_token_ids == [1, 2]
+    probe = ("import json, sys; from ppqa.engine.loading.loader import load_model; "
+             f"tok = load_model({str(path)!r}).tokenizer; "
+             f"print(json.dumps([tok.encode({text!r}), 'transformers' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "PPQA_HOME": str(ppqa_home)}, check=True)
+    ids, imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ids == reference.encode(text) and not imported
+
+    template = path / "chat_template.jinja"  # where transformers 5 saves it; 4, in the config
+    if template.is_file():
+        template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))
+    else:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        config["chat_template"] = config["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+    changed = load_model(str(path)).tokenizer
+    assert changed.render_messages(chat).startswith("<|im_start|> user")
+    (now,) = (ppqa_home / "tokenizers").iterdir()
+    assert now != saved and not saved.exists()
+

@@ -16,10 +16,7 @@ by later processes without `transformers` (`gguf_tokenizer`).
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import re
-import shutil
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -227,54 +224,19 @@ def gguf_tokenizer(path: Path, extra_eos_ids: list[int]) -> Any:
     """The file's tokenizer: the copy saved by an earlier process (`saved_tokenizer_dir`) as a
     `JsonTokenizer` (~0.1 s), else built by `transformers` from the metadata (seconds: it
     rebuilds the vocabulary in Python, after a parse of its own), saved where the copy
-    checks out (`json_tokenizer.save_checked`), and returned."""
-    from ppqa.engine.loading.json_tokenizer import JsonTokenizer, save_checked
-    from ppqa.engine.loading.tokenizer import HFTokenizer
+    checks out, and returned (`json_tokenizer.saved_or_built`)."""
+    from ppqa.engine.loading.json_tokenizer import saved_or_built
 
-    saved = saved_tokenizer_dir(path)
-    if (saved / "tokenizer.json").is_file():
-        try:
-            return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
-        except Exception:  # noqa: BLE001 -- a damaged copy: build it again below
-            shutil.rmtree(saved, ignore_errors=True)
-    hf = transformers_tokenizer(path)
-    if save_checked(hf, saved):
-        _forget_earlier_versions(path, saved)
-        return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
-    return HFTokenizer(hf, extra_eos_ids=extra_eos_ids)
-
-
-def _forget_earlier_versions(path: Path, saved: Path) -> None:
-    """Mark `saved` as the tokenizer of `path`'s real file (a `source` file beside it) and
-    delete the tokenizers saved for earlier versions of that file (same path, another size
-    or modification time): each is a few MB that nothing reads again."""
-    resolved = path.resolve()
-    real = str(resolved)
-    try:
-        (saved / "source").write_text(real)
-    except OSError:
-        return
-    for other in saved.parent.glob(f"{glob.escape(resolved.stem)}-*"):
-        if other == saved or not other.is_dir():
-            continue
-        try:
-            source = (other / "source").read_text()
-        except OSError:
-            continue
-        if source == real:
-            shutil.rmtree(other, ignore_errors=True)
+    return saved_or_built(saved_tokenizer_dir(path), path, lambda: transformers_tokenizer(path),
+                          extra_eos_ids=extra_eos_ids)
 
 
 def saved_tokenizer_dir(path: Path) -> Path:
-    """Where the tokenizer of the GGUF file at `path` is saved: `$PPQA_HOME/tokenizers/`, named
-    after the file and keyed by its real path, size and modification time, so that a file
-    replaced or changed gets a tokenizer of its own."""
-    from ppqa.paths import ppqa_home
+    """Where the tokenizer of the GGUF file at `path` is saved (`json_tokenizer.saved_dir`,
+    keyed by the file's real path, size and modification time)."""
+    from ppqa.engine.loading.json_tokenizer import saved_dir
 
-    real = path.resolve()
-    stat = real.stat()
-    key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    return ppqa_home() / "tokenizers" / f"{real.stem}-{key[:16]}"
+    return saved_dir(path, [path.resolve()])
 
 
 def transformers_tokenizer(path: Path) -> Any:

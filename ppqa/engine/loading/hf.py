@@ -6,8 +6,9 @@ tensors as byte runs read from the header's offsets through pinned buffers
 (`streaming.stream_runs`); elsewhere through safetensors' `safe_open`, one tensor at a time,
 memory-mapped. Pickled checkpoints (.bin/.pt) are refused:
 unpickling runs arbitrary code. The tokenizer and its chat template come from the directory through
-`transformers.AutoTokenizer` with `local_files_only=True` (never the hub); extra EOS ids (Llama 3's
-<|eot_id|>...) come from generation_config.json.
+`transformers.AutoTokenizer` with `local_files_only=True` (never the hub), once: a checked copy is
+saved under `$PPQA_HOME/tokenizers/` and read back without `transformers` afterwards; extra EOS
+ids (Llama 3's <|eot_id|>...) come from generation_config.json.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from ppqa.engine.model.config import ModelConfig
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INDEX_FILE = "model.safetensors.index.json"
 _SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# The files AutoTokenizer may build a folder's tokenizer from (config.json picks its class).
+_TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                      "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "config.json")
 
 
 def _read_json(path: Path) -> dict:
@@ -225,17 +230,26 @@ def load_hf_dir(directory: Path, *, device: torch.device, dtype: torch.dtype) ->
 
 
 def hf_dir_tokenizer(directory: Path, config: ModelConfig) -> Any:
-    from ppqa.engine.loading.tokenizer import HFTokenizer
+    """The folder's tokenizer as `transformers.AutoTokenizer` builds it, with the EOS ids of
+    config.json and generation_config.json. Built once, then read back from a checked copy
+    (`json_tokenizer.saved_or_built`, keyed by the files it is built from): a worker's later
+    start-ups import no `transformers` for it."""
+    from ppqa.engine.loading.json_tokenizer import saved_dir, saved_or_built
 
-    try:
-        import transformers
+    def build() -> Any:
+        try:
+            import transformers
 
-        hf = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"{str(directory)!r}: cannot load its tokenizer (tokenizer.json / "
-                             f"tokenizer_config.json): {type(e).__name__}: {e}") from e
+            return transformers.AutoTokenizer.from_pretrained(str(directory),
+                                                              local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"{str(directory)!r}: cannot load its tokenizer "
+                                 f"(tokenizer.json / tokenizer_config.json): "
+                                 f"{type(e).__name__}: {e}") from e
+
     extra = list(config.eos_token_ids)
     generation = directory / "generation_config.json"
     if generation.exists():
         extra += _as_id_list(_read_json(generation).get("eos_token_id"))
-    return HFTokenizer(hf, extra_eos_ids=extra)
+    sources = [directory / name for name in _TOKENIZER_SOURCES if (directory / name).is_file()]
+    return saved_or_built(saved_dir(directory, sources), directory, build, extra_eos_ids=extra)

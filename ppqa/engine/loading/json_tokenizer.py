@@ -6,19 +6,24 @@
 the way `transformers` does (a sandbox, `trim_blocks` and `lstrip_blocks`, `raise_exception`,
 `strftime_now` and a `tojson` that keeps non-ASCII text). Importing `transformers` costs a
 worker 1-3 s at start-up (results/h200/startup_warm_helpers.json: 2.8 s of a 6.7 s `Engine()`),
-so the folders ppqa saves itself (the `+bpe` tokenizer, engine/loading/bpe.py) load this way;
-tests/test_json_tokenizer.py checks it against `transformers` on the same folder.
+so the folders ppqa saves itself load this way: the `+bpe` tokenizer (engine/loading/bpe.py), and
+the checked copies of a GGUF file's or a model folder's tokenizer (`saved_or_built`) under
+`$PPQA_HOME/tokenizers/`; tests/test_json_tokenizer.py checks it against `transformers` on the
+same folder.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
+import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ppqa.engine.loading.tokenizer import HFTokenizer, Tokenizer, drop_cut_character
 
@@ -138,6 +143,66 @@ def save_checked(hf, folder: Path) -> bool:
         return (folder / "tokenizer.json").is_file()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def saved_dir(source: Path, versioned: Sequence[Path]) -> Path:
+    """Where the tokenizer built from `source` (a GGUF file, or a model folder) is saved:
+    `$PPQA_HOME/tokenizers/`, named after it and keyed by its real path and by the size and
+    modification time of each file in `versioned` (the files it is built from), so that a
+    source replaced or changed gets a tokenizer of its own."""
+    from ppqa.paths import ppqa_home
+
+    real = source.resolve()
+    key = str(real)
+    for path in versioned:
+        stat = path.stat()
+        key += f"\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return ppqa_home() / "tokenizers" / f"{_saved_name(real)}-{digest[:16]}"
+
+
+def _saved_name(real: Path) -> str:
+    """A saved copy's name: the GGUF file's stem, or the model folder's name."""
+    return real.name if real.is_dir() else real.stem
+
+
+def saved_or_built(saved: Path, source: Path, build: Callable[[], Any], *,
+                   extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
+    """The tokenizer of `source`: the copy an earlier process saved as `saved` (`saved_dir`)
+    read as a `JsonTokenizer` (~0.1 s, no `transformers` import), else `build()`'s
+    `transformers` tokenizer, saved where the copy checks out (`save_checked`; the copies of
+    the source's earlier versions are then deleted) and read back, or used as it is."""
+    if (saved / "tokenizer.json").is_file():
+        try:
+            return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
+        except Exception:  # noqa: BLE001 -- a damaged copy: build it again below
+            shutil.rmtree(saved, ignore_errors=True)
+    hf = build()
+    if save_checked(hf, saved):
+        _forget_earlier_versions(source, saved)
+        return JsonTokenizer(saved, extra_eos_ids=extra_eos_ids)
+    return HFTokenizer(hf, extra_eos_ids=extra_eos_ids)
+
+
+def _forget_earlier_versions(source: Path, saved: Path) -> None:
+    """Mark `saved` as the tokenizer of `source`'s real path (a `source` file beside it) and
+    delete the tokenizers saved for earlier versions of it (same path, other files' sizes or
+    modification times): each is a few MB that nothing reads again."""
+    resolved = source.resolve()
+    real = str(resolved)
+    try:
+        (saved / "source").write_text(real)
+    except OSError:
+        return
+    for other in saved.parent.glob(f"{glob.escape(_saved_name(resolved))}-*"):
+        if other == saved or not other.is_dir():
+            continue
+        try:
+            origin = (other / "source").read_text()
+        except OSError:
+            continue
+        if origin == real:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _content(token) -> str | None:
