@@ -290,14 +290,17 @@ def test_a_new_documents_cascade_group_waits_for_room(tmp_path: Path, monkeypatc
     assert max(a + b for a, b in steps) == 8
 
 
-@pytest.mark.parametrize("budget,wide", [(4000, True), (350, False)])
+@pytest.mark.parametrize("budget,wide,prefill", [(4000, True, None), (4000, True, 40),
+                                                 (350, False, None)])
 def test_a_large_group_starts_past_the_batch_rows_where_the_pool_holds_it(
-        tmp_path: Path, monkeypatch, budget, wide) -> None:
+        tmp_path: Path, monkeypatch, budget, wide, prefill) -> None:
     """Two documents of 4 cascade questions with rows for 4: the second group is half of the
     rows or more, so where the pool holds it beside the first it starts at once, past the 4
-    rows (both decode in steps of 8); where it does not, it waits for the first to leave. A
+    rows (both decode in steps of 8), also when the prefill budget admits it over several
+    calls (40 tokens); where the pool does not hold it, it waits for the first to leave. A
     group of one question never goes past the rows. Tokens stay stock's (fp32) either way."""
-    eng = tiny_engine("tiny-gqa", seed=7, max_batch_requests=4, kv_token_budget=budget)
+    eng = tiny_engine("tiny-gqa", seed=7, max_batch_requests=4, kv_token_budget=budget,
+                      max_prefill_tokens=prefill)
     assert eng.config.wide_requests == 8
     tmpl = plain_template(tmp_path)
     rng = random.Random(7)
