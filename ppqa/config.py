@@ -115,10 +115,12 @@ class EngineConfig:
     # benchmarks/results/h100/wtimeline*_b{256,512}_s40c{1,2}.json.
     max_batch_requests: int = 256
     # Past max_batch_requests, up to this many (rows of the req_to_token table), only by whole
-    # cascade groups of at least half of max_batch_requests that the KV pool holds beside the
-    # requests running: two 16k-token documents of 256 questions decode in one step of 512
-    # (the weights read once for both), while small groups and arriving work keep the shapes
-    # of max_batch_requests. None: twice max_batch_requests; equal to it: never past it.
+    # cascade groups of at least half of max_batch_requests whose document the KV pool holds
+    # as one run beside the requests running: two 16k-token documents of 256 questions decode
+    # in one step of 512 (the weights read once for both), while small groups and arriving
+    # work keep the shapes of max_batch_requests
+    # (benchmarks/results/h100/wtimeline_paper_worker_b256{,w256}_s41c2.json).
+    # None: twice max_batch_requests; equal to it: never past it.
     max_wide_requests: int | None = None
     default_streams: int = 32  # P when a parallel run is given streams=None
     # Decode steps captured as CUDA graphs, B padded to a power of two (None: on CUDA only).
