@@ -136,10 +136,7 @@ def _weights(files: dict[str, Path], names: list[str], device: torch.device,
         return
     from safetensors import safe_open
 
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
-    for shard, shard_names in by_file.items():
+    for shard, shard_names in _by_shard(files, names).items():
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in shard_names:
@@ -148,6 +145,14 @@ def _weights(files: dict[str, Path], names: list[str], device: torch.device,
             raise
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"{str(shard)!r}: cannot read weights: {e}") from e
+
+
+def _by_shard(files: dict[str, Path], names: list[str]) -> dict[Path, list[str]]:
+    """The names grouped by the shard that holds each, shards in order of first mention."""
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    return by_file
 
 
 def _header(shard: Path) -> tuple[dict, int]:
@@ -162,11 +167,8 @@ def _runs(files: dict[str, Path], names: list[str]) -> list[TensorRun] | None:
     """The named tensors' byte runs, shard by shard in file order; None where a tensor's dtype
     is not a float type (the memory-mapped path reads those). Offsets past a shard's end are
     a ModelLoadError."""
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
     runs = []
-    for shard, shard_names in by_file.items():
+    for shard, shard_names in _by_shard(files, names).items():
         try:
             header, data = _header(shard)
             size = shard.stat().st_size

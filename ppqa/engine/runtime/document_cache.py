@@ -105,15 +105,12 @@ class DocumentCache:
         make one run (a gathered document is read by the slower kernel in every step)."""
         ids = np.asarray(token_ids, dtype=np.int64)
         base, shared = self._best_base(ids)
+        n = len(token_ids)
+        if base is not None and not self.holds_run(n, keeping=base) and self.holds_run(n):
+            base, shared = None, 0  # one run only where the base goes: prefill it all
         if base is not None:
             self.acquire(base)
-            if not self.holds_run(len(token_ids)):
-                self.release(base)
-                if self.holds_run(len(token_ids)):
-                    base, shared = None, 0  # one run only where the base goes: prefill it all
-                else:
-                    self.acquire(base)
-        slots = self.alloc(len(token_ids))
+        slots = self.alloc(n)
         if base is not None:
             self.release(base)
             if slots is None:  # room only if the base goes too: prefill everything instead
@@ -157,10 +154,11 @@ class DocumentCache:
             return None
         return self.allocator.alloc(n, high=high)
 
-    def holds_run(self, n: int) -> bool:
+    def holds_run(self, n: int, keeping: CachedDocument | None = None) -> bool:
         """Whether a new document of n tokens would be one run: a free run that long, or one
-        that `_evict_for_run` would make of free runs and unused documents."""
-        return n <= self.allocator.longest_run() or self._run_window(n) is not None
+        that `_evict_for_run` would make of free runs and unused documents (`keeping` not
+        evicted)."""
+        return n <= self.allocator.longest_run() or self._run_window(n, keeping) is not None
 
     def _evict_for_run(self, n: int) -> None:
         """Unused documents next to each other and to free runs, together a run of n slots:
@@ -174,14 +172,15 @@ class DocumentCache:
         for doc in self._run_window(n) or []:
             self.drop(doc)
 
-    def _run_window(self, n: int) -> list[CachedDocument] | None:
-        """The unused documents `_evict_for_run` evicts for a run of n slots (None: no window
-        of at most 2n document slots makes one)."""
+    def _run_window(self, n: int,
+                    keeping: CachedDocument | None = None) -> list[CachedDocument] | None:
+        """The unused documents (`keeping` aside) `_evict_for_run` evicts for a run of n slots
+        (None: no window of at most 2n document slots makes one)."""
         # Segments in slot order: free runs and unused documents' runs; anything else (a
         # document in use, a request's slots) separates windows.
         segments = [(start, length, None) for start, length in self.allocator.free_runs()]
         segments += [(d.start, d.length, d) for d in self._docs.values()
-                     if d.ref_count == 0 and d.start >= 0]
+                     if d.ref_count == 0 and d.start >= 0 and d is not keeping]
         segments.sort(key=lambda seg: seg[0])
         best = None
         for i in range(len(segments)):
@@ -203,11 +202,15 @@ class DocumentCache:
                     break
         return None if best is None else best[1]
 
+    def unused_slots(self, besides: CachedDocument | None = None) -> int:
+        """Slots of the documents no request holds (`besides` aside): what eviction can free."""
+        return sum(d.length for d in self._docs.values() if d.ref_count == 0 and d is not besides)
+
     def evict(self, n: int) -> bool:
         """Evict unused documents until at least n more slots are free; False if impossible."""
-        unused = sorted((d for d in self._docs.values() if d.ref_count == 0), key=lambda d: d.last_used)
-        if sum(d.length for d in unused) < n:
+        if self.unused_slots() < n:
             return False
+        unused = sorted((d for d in self._docs.values() if d.ref_count == 0), key=lambda d: d.last_used)
         freed = 0
         for doc in unused:
             if freed >= n:

@@ -189,9 +189,7 @@ class Scheduler:
         if cached is None and not self.docs.holds_run(len(req.doc_ids)):
             return False
         need = sum(r.reserve_tokens for r in group) + (0 if cached else len(req.doc_ids))
-        unused = sum(d.length for d in self.docs.documents()
-                     if d.ref_count == 0 and d is not cached)
-        return need <= self.pool.allocator.num_free + unused
+        return need <= self.pool.allocator.num_free + self.docs.unused_slots(besides=cached)
 
     def _room_for_group(self, doc_key, free_rows: int) -> bool:
         """Whether a new document's cascade group may start beside the requests running: with
