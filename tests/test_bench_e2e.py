@@ -298,3 +298,24 @@ def test_answer_variants_draw_the_same_questions_and_ingest_as_batch_lines(tmp_p
             assert {k: job_params.get(k) for k in params} == params
         if name == "labeling-copies8":
             assert sorted(p["seed"] for p in stored) == list(range(8))
+
+
+@pytest.mark.parametrize("spec", ["dummy:tiny-gqa", "dummy:tiny-mha"])
+def test_gguf_file_from_dummy_weights_loads_back_to_the_same_weights(spec, tmp_path):
+    """load_time.py's GGUF writer: llama's q/k rows permuted as llama.cpp writes them (tiny-mha)
+    and qwen2's left as they are (tiny-gqa) come back through the loader as the preset's own."""
+    import torch
+
+    from ppqa.bench.load_time import time_load, write_gguf_file
+    from ppqa.engine.loading.loader import load_model
+
+    path = tmp_path / "model.gguf"
+    written = write_gguf_file(spec, path, dtype=torch.bfloat16)
+    assert 0 < written["bytes"] < path.stat().st_size  # the tensors' bytes, then the header's
+    assert not path.with_suffix(".partial").exists()
+    want = dict(load_model(spec, dtype=torch.bfloat16).weights)
+    got = dict(load_model(str(path), dtype=torch.bfloat16).weights)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    timed = time_load(path, dtype=torch.bfloat16, engine=False, cached=True, baseline=True)
+    assert timed["tensors"] == len(want) and timed["mmap_read_gb_per_s"] > 0

@@ -250,7 +250,8 @@ def _reader_view(path: Path):
     """The `gguf` package's reading of the file: (fields, tensors) in plain values."""
     reader = gguf.GGUFReader(str(path))
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    tensors = [(t.name, t.shape.tolist(), t.tensor_type, t.data) for t in reader.tensors]
+    tensors = [(t.name, t.shape.tolist(), t.tensor_type, t.data, t.data_offset)
+               for t in reader.tensors]
     return fields, tensors
 
 
@@ -263,10 +264,11 @@ def _assert_reads_as_gguf_does(path: Path) -> None:
         got = ours.fields[key]
         assert (got.tolist() if isinstance(got, np.ndarray) else got) == want, key
     assert [(t.name, t.shape.tolist(), t.tensor_type) for t in ours.tensors] == \
-        [(name, shape, kind) for name, shape, kind, _ in tensors]
-    for t, (name, _, _, data) in zip(ours.tensors, tensors):
+        [(name, shape, kind) for name, shape, kind, _, _ in tensors]
+    for t, (name, _, _, data, offset) in zip(ours.tensors, tensors):
         assert t.data.dtype == data.dtype and t.data.shape == data.shape, name
         assert np.array_equal(t.data, data, equal_nan=True), name
+        assert t.offset == offset, name  # where the streamed reads begin
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_1], ids=lambda q: q.name)
@@ -409,3 +411,77 @@ def test_a_home_where_nothing_can_be_saved_still_loads_the_tokenizer(tmp_path, p
     tok = load_model(str(path)).tokenizer
     assert isinstance(tok, HFTokenizer) and tok.encode("so the") == \
         transformers_tokenizer(path).encode("so the", add_special_tokens=False)
+
+
+# Every type torch unpacks, and Q5_0, which stays with gguf's numpy code.
+STREAMED = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0]
+
+
+def write_blocks_gguf(path: Path, qtype) -> Path:
+    """A Llama GGUF's tensors in `qtype` (`_blocks_of`), rows of 512 weights (whole k-quant
+    blocks), q/k rows permuted as llama.cpp stores them; F32 norms and rope_freqs (not loaded)
+    between them, as llama.cpp writes its files. No tokenizer: `_weights` reads tensors only."""
+    rng = np.random.default_rng(5)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("rope_freqs.weight", np.linspace(1, 8, 8, dtype=np.float32))
+    for name, rows, heads, norm in [
+            ("blk.0.attn_q.weight", HEADS * HEAD_DIM, HEADS, "blk.0.attn_norm.weight"),
+            ("blk.0.attn_k.weight", KV_HEADS * HEAD_DIM, KV_HEADS, "blk.0.ffn_norm.weight"),
+            ("blk.0.ffn_up.weight", 3, None, "output_norm.weight")]:
+        weights = rng.standard_normal((rows, 512)).astype(np.float32)
+        if heads is not None:
+            weights = _llama_cpp_permute(weights, heads)
+        w.add_tensor(name, _blocks_of(qtype, weights), raw_dtype=qtype)
+        w.add_tensor(norm, rng.standard_normal(512).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def blocks_config():
+    """The config `_weights` needs for a `write_blocks_gguf` file: q/k heads."""
+    from ppqa.engine.model.config import ModelConfig
+
+    return ModelConfig(vocab_size=8, hidden_size=512, intermediate_size=3, num_layers=1,
+                       num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+
+
+@pytest.mark.parametrize("unpack_chunk", [None, 96])
+@pytest.mark.parametrize("qtype", STREAMED, ids=lambda q: q.name)
+def test_byte_runs_unpack_to_the_memory_mapped_bits(tmp_path, qtype, unpack_chunk, monkeypatch):
+    """Each tensor read as a byte run (`stream_runs`, on the CPU, in reads of 100 bytes that
+    end inside tensors and blocks) and unpacked from those bytes is, bit for bit, the tensor
+    read from the memory map, after the same unpermutation and cast; the F32 norms between
+    them stream too, beside Q5_0's tensors, which are not streamed."""
+    from ppqa.engine.loading import gguf_quants
+    from ppqa.engine.loading.gguf import _weights
+
+    if unpack_chunk is not None:  # unpack from slices that begin inside the run
+        monkeypatch.setattr(gguf_quants, "CPU_CHUNK_WEIGHTS", unpack_chunk)
+    path = write_blocks_gguf(tmp_path / f"blocks-{qtype.name}.gguf", qtype)
+    cpu = torch.device("cpu")
+    mapped = list(_weights(path, blocks_config(), "llama", cpu, torch.float32, streamed=False))
+    streamed = list(_weights(path, blocks_config(), "llama", cpu, torch.float32, streamed=True,
+                             chunk_bytes=100))
+    assert [name for name, _ in streamed] == [name for name, _ in mapped]
+    assert len(mapped) == 6 and "rope" not in " ".join(name for name, _ in mapped)
+    for (name, got), (_, want) in zip(streamed, mapped):
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, name
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
+
+
+def test_a_file_cut_short_while_streamed_names_the_tensor(tmp_path):
+    """The streamed reads go to the file, not to its memory map: a file truncated after the
+    first tensor arrived fails a later read with a ModelLoadError that names its tensor."""
+    from ppqa.engine.loading.gguf import _weights
+
+    path = write_blocks_gguf(tmp_path / "cut.gguf", Q.Q8_0)
+    weights = _weights(path, blocks_config(), "llama", torch.device("cpu"), torch.float32,
+                       streamed=True, chunk_bytes=100)
+    next(weights)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    with pytest.raises(ModelLoadError, match=r"cannot read tensor blk\.0\..*end of file"):
+        list(weights)

@@ -5,7 +5,10 @@ gives the block sizes and the numpy dequantization (imported by the loading modu
 by the GPU-side ones). Each tensor is dequantized when the weight iterator reaches it: by torch
 on the requested device for the types in `gguf_quants.TYPES` (the plain ones, Q8_0, Q4_0, Q4_1
 and the Q4_K/Q5_K/Q6_K k-quants), by `gguf.quants` on the CPU for every other type it knows;
-then converted straight to the requested dtype.
+then converted straight to the requested dtype. The bytes of the torch-unpacked types reach a
+GPU as byte runs at the tensors' offsets in the file, read through pinned buffers
+(`streaming.stream_runs`, as hf.py reads safetensors shards), and unpack there from those bytes;
+on the CPU they are read from the memory map (`gguf_quants.dequantize`).
 llama.cpp's converter permutes the rows of attn_q/attn_k of `llama` models so that rotary pairs are
 adjacent (its "normal" rope); `unpermute_rope_rows` restores Hugging Face's half-split layout.
 Qwen2 files use the NEOX rope layout and are stored unpermuted.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from contextlib import closing
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ import torch
 
 from ppqa.engine.loading import gguf_quants
 from ppqa.engine.loading.gguf_file import GGUFFile
+from ppqa.engine.loading.streaming import CHUNK_BYTES, TensorRun, stream_runs
 from ppqa.engine.loading.types import LazyWeights, LoadedModel, ModelLoadError
 from ppqa.engine.model.config import ModelConfig
 
@@ -59,6 +64,13 @@ def hf_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     return None
+
+
+def gguf_name(name: str) -> str:
+    """The GGUF name of a Hugging Face tensor name that `hf_name` maps (its inverse)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    names = {hf: g for g, hf in (_LAYER_NAMES if m else _GLOBAL_NAMES).items()}
+    return f"blk.{m.group(1)}.{names[m.group(2)]}" if m else names[name]
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -163,24 +175,46 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
 
 def _weights(path: Path, config: ModelConfig, arch: str, device: torch.device,
-             dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+             dtype: torch.dtype, *, streamed: bool | None = None,
+             chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """The loaded tensors in file order, on `device` in `dtype`. `streamed` (by default: on a
+    CUDA device) sends the bytes of the types in `gguf_quants.TYPES` through pinned buffers
+    (`streaming.stream_runs`, in reads of `chunk_bytes`) and unpacks them where they land;
+    otherwise they go from the memory map one tensor at a time. Tests stream on the CPU too,
+    and benchmarks/load_time.py times both ways on a GPU."""
     reader = _reader(path)
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name is None:
-            continue
-        try:
-            weight = gguf_quants.dequantize(tensor.data, tensor.tensor_type, tensor.torch_shape,
-                                            device)
-            if weight is None:  # a type torch does not unpack here: gguf's numpy code
-                weight = torch.from_numpy(_dequantize(tensor))
-        except Exception as e:  # noqa: BLE001 -- a truncated mmap or an unknown quant type
-            raise ModelLoadError(f"{str(path)!r}: cannot read tensor {tensor.name} "
-                                 f"({tensor.tensor_type.name}): {type(e).__name__}: {e}") from e
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-            weight = unpermute_rope_rows(weight, heads)
-        yield name, weight.to(device=device, dtype=dtype)
+    loaded = [(tensor, name) for tensor in reader.tensors
+              if (name := hf_name(tensor.name)) is not None]
+    if streamed is None:
+        streamed = device.type == "cuda"
+    runs = [_run(path, tensor) for tensor, _ in loaded
+            if streamed and tensor.tensor_type.name in gguf_quants.TYPES]
+    in_runs = {run.name for run in runs}
+    with closing(stream_runs(runs, device, chunk_bytes=chunk_bytes)) as delivered:
+        for tensor, name in loaded:
+            try:
+                if tensor.name in in_runs:
+                    _, raw = next(delivered)
+                    weight = gguf_quants.dequantize_bytes(raw, tensor.tensor_type,
+                                                          tensor.torch_shape)
+                else:
+                    weight = gguf_quants.dequantize(tensor.data, tensor.tensor_type,
+                                                    tensor.torch_shape, device)
+                if weight is None:  # a type torch does not unpack here: gguf's numpy code
+                    weight = torch.from_numpy(_dequantize(tensor))
+            except Exception as e:  # noqa: BLE001 -- a truncated file or an unknown quant type
+                raise ModelLoadError(f"{str(path)!r}: cannot read tensor {tensor.name} "
+                                     f"({tensor.tensor_type.name}): {type(e).__name__}: {e}") from e
+            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+                weight = unpermute_rope_rows(weight, heads)
+            yield name, weight.to(device=device, dtype=dtype)
+
+
+def _run(path: Path, tensor: Any) -> TensorRun:
+    """A tensor's bytes in the file, read as they are (the block layout unpacks on the device)."""
+    nbytes = tensor.data.nbytes
+    return TensorRun(tensor.name, path, tensor.offset, nbytes, torch.uint8, (nbytes,))
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -189,7 +223,10 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return dict(weight_shapes(config))
 
 
-def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype,
+              streamed: bool | None = None) -> LoadedModel:
+    """The file's model; its weights read as `_weights` says (`streamed`: None for the
+    device's own way, True or False to choose; benchmarks/load_time.py compares the two)."""
     reader = _reader(path)
     try:
         tensors = {t.name: t for t in reader.tensors}
@@ -214,7 +251,7 @@ def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype) -> Loaded
     config.eos_token_ids = list(tokenizer.eos_token_ids)
 
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
-        return _weights(path, config, arch, device, dtype)
+        return _weights(path, config, arch, device, dtype, streamed=streamed)
 
     return LoadedModel(config=config, weights=LazyWeights(produce, len(found)), tokenizer=tokenizer,
                        source=f"gguf:{path} ({', '.join(types)})")

@@ -7,8 +7,9 @@ element of an array: SmolLM2's 49k-token vocabulary and its merges take it 3.4 s
 as `GGUFReader` does: a read-only view of the memory-mapped file, in the element type of
 float and integer tensors or as bytes in the quantized block layout, which
 engine/loading/gguf_quants.py (or `gguf.quants`, for the types it does not unpack)
-dequantizes. Little-endian files of format versions 2 and 3 (what llama.cpp writes); anything
-else raises ValueError, as does a truncated or inconsistent file.
+dequantizes; each tensor also keeps its offset in the file, where engine/loading/gguf.py reads
+its bytes from to a GPU. Little-endian files of format versions 2 and 3 (what llama.cpp writes);
+anything else raises ValueError, as does a truncated or inconsistent file.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class GGUFTensor:
     shape: np.ndarray  # the dimensions as stored: innermost first
     tensor_type: Any  # gguf.GGMLQuantizationType
     data: np.ndarray  # a read-only view of the file (elements, or bytes of quantized blocks)
+    offset: int  # where `data` begins in the file, in bytes
 
     @property
     def torch_shape(self) -> tuple[int, ...]:
@@ -127,5 +129,5 @@ class GGUFFile:
                 data = raw.view(_ELEMENT_TYPES[kind.name]).reshape(shape)
             else:
                 data = raw.reshape(quant_shape_to_byte_shape(shape, kind))
-            tensors.append(GGUFTensor(name, dims, kind, data))
+            tensors.append(GGUFTensor(name, dims, kind, data, begin))
         return tensors

@@ -4,9 +4,12 @@
 1.06 s of a CPU worker's start, benchmarks/NOTES.md "CPU: a GGUF model's start-up"), which
 would be about a minute for an 8B model. Here the raw blocks go to the target device as bytes
 and unpack there, with the same float32 arithmetic in the same order as `gguf.quants` (a
-multiply, then an add), so the results are the same bits (tests/test_loader_gguf.py). Types
-not listed in `TYPES` (Q5_0/Q5_1, Q2_K, Q3_K, the IQ types and the rest) return None and stay
-with `gguf.quants`.
+multiply, then an add), so the results are the same bits (tests/test_loader_gguf.py). The bytes
+come either from the memory-mapped file, a chunk at a time (`dequantize`: the CPU's path), or
+as the whole tensor already on the device (`dequantize_bytes`: a GPU's, read there through
+`streaming.stream_runs` by engine/loading/gguf.py); both unpack alike (`_unpack`). Types not
+listed in `TYPES` (Q5_0/Q5_1, Q2_K, Q3_K, the IQ types and the rest) return None and stay with
+`gguf.quants`.
 
 Block layouts (ggml, little-endian), 32 weights a block:
     Q8_0  f16 scale d, 32 int8 q:              w = d * q
@@ -26,6 +29,7 @@ sub-blocks with scales of their own:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -43,21 +47,34 @@ DEVICE_CHUNK_WEIGHTS = 1 << 24
 def dequantize(data: np.ndarray, kind, shape: tuple[int, ...],
                device: torch.device) -> torch.Tensor | None:
     """A tensor of `kind` (gguf.GGMLQuantizationType) held in `data` (the file's view: elements,
-    or bytes of blocks) as float32 `shape` on `device`; None for a type not in TYPES."""
-    name = kind.name
-    if name not in TYPES:
+    or bytes of blocks) as float32 `shape` on `device`; None for a type not in TYPES. Each
+    chunk's bytes go to `device` on their own (`.to`, from the memory map)."""
+    if kind.name not in TYPES:
         return None
     flat = data.reshape(-1).view(np.uint8)
+    return _unpack(kind.name, flat.size, shape, torch.device(device),
+                   lambda begin, end: _bytes_on(flat[begin:end], device))
+
+
+def dequantize_bytes(raw: torch.Tensor, kind, shape: tuple[int, ...]) -> torch.Tensor:
+    """The same from the tensor's bytes already on their device (uint8, flat, as
+    `streaming.stream_runs` delivers them), for a `kind` in TYPES."""
+    return _unpack(kind.name, raw.numel(), shape, raw.device, lambda begin, end: raw[begin:end])
+
+
+def _unpack(name: str, nbytes: int, shape: tuple[int, ...], device: torch.device,
+            take: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """`take(begin, end)`: bytes begin..end of the tensor as uint8 on `device`."""
     if name in _PLAIN:
-        return _bytes_on(flat, device).view(_PLAIN[name]).float().reshape(shape)
+        return take(0, nbytes).view(_PLAIN[name]).float().reshape(shape)
     weights, size, unpack = _BLOCKS[name]
-    blocks = flat.size // size
+    blocks = nbytes // size
     out = torch.empty(blocks * weights, dtype=torch.float32, device=device)
-    chunk = CPU_CHUNK_WEIGHTS if torch.device(device).type == "cpu" else DEVICE_CHUNK_WEIGHTS
+    chunk = CPU_CHUNK_WEIGHTS if device.type == "cpu" else DEVICE_CHUNK_WEIGHTS
     step = max(1, chunk // weights)
     for first in range(0, blocks, step):
         last = min(blocks, first + step)
-        raw = _bytes_on(flat[first * size:last * size], device).reshape(last - first, size)
+        raw = take(first * size, last * size).reshape(last - first, size)
         out[first * weights:last * weights] = unpack(raw).reshape(-1)
     return out.reshape(shape)
 

@@ -1,24 +1,29 @@
 """Weights read from their files straight to a GPU: byte runs through a ring of pinned buffers.
 
-A tensor in a safetensors shard is a run of bytes at a known offset (`TensorRun`, from the
-loader's header). `stream_runs` cuts the runs into chunks and reads each chunk with a plain
-positioned read (`os.preadv`, which releases the GIL) into one of a few pinned host buffers, on
-a pool of threads, while the main thread copies each filled buffer to the device asynchronously.
+A tensor in a safetensors shard or a GGUF file is a run of bytes at a known offset
+(`TensorRun`, from the loader's reading of the header: hf.py, gguf.py). `stream_runs` cuts the
+runs into chunks and reads each chunk with a plain positioned read (`os.preadv`, which releases
+the GIL) into one of a few pinned host buffers, on a pool of threads, while the main thread
+copies each filled buffer to the device asynchronously.
 So the page cache's (or the disk's) reads, the host's memory copies and the PCIe transfers
 overlap, where reading each tensor through a memory map and `.to(device)` does them one after
 the other from pageable memory (benchmarks/RESULTS.md, "Loading weights").
 
 Each tensor comes out on the device in its file's dtype once its last chunk's copy is queued on
 the current stream; what the caller does with it is queued behind those copies. A buffer is
-refilled only after the copy out of it has finished (an event per buffer).
+refilled only after the copy out of it has finished (an event per buffer). Where CUDA will not
+page-lock the ring (a container's limit on locked memory), the load warns and copies from the
+same buffers unlocked: slower (each copy stages through the driver), the same bytes.
 
-Data flow: loader (runs from a header) -> `stream_runs` -> (name, device tensor) -> the model's
-parameters.
+Data flow: loader (runs from a header) -> `stream_runs` -> (name, device tensor) -> the loader
+(a GGUF's blocks unpack there) -> the model's parameters.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,18 +74,21 @@ def _read(fd: int, view: memoryview, offset: int) -> None:
 
 
 def stream_runs(runs: Sequence[TensorRun], device: torch.device, *,
-                chunk_bytes: int = CHUNK_BYTES, buffers: int = BUFFERS,
-                threads: int = 4) -> Iterator[tuple[str, torch.Tensor]]:
+                chunk_bytes: int = CHUNK_BYTES, buffers: int = BUFFERS, threads: int = 4,
+                host: torch.Tensor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor on `device` in its run's dtype and shape) for each run, in order. For a
-    CUDA device `chunk_bytes` x `buffers` of host memory is page-locked while it runs; on the
-    CPU the same pipeline copies synchronously (the loaders read CPU weights memory-mapped
-    instead: this path is for tests)."""
+    CUDA device `chunk_bytes` x `buffers` of host memory is page-locked while it runs (where
+    that fails, `_pin` warns and the copies come from the same memory unlocked); on the CPU the
+    same pipeline copies synchronously (the loaders read CPU weights memory-mapped instead:
+    this path is for tests). `host`: the ring's memory, uint8 of at least that many bytes
+    (default: allocated here; tests pass memory they registered with CUDA themselves)."""
     chunks = _chunks(runs, chunk_bytes)
     width = min(buffers, max(len(chunks), 1))
-    host = torch.empty(width * chunk_bytes, dtype=torch.uint8)
+    if host is None:
+        host = torch.empty(width * chunk_bytes, dtype=torch.uint8)
+    host = host[:width * chunk_bytes]
     cuda = device.type == "cuda"
-    if cuda:
-        _register(host)
+    pinned = cuda and _pin(host)
     ring = host.view(width, chunk_bytes)
     views = [memoryview(ring[i].numpy()) for i in range(width)]
     copied = [torch.cuda.Event() if cuda else _Done() for _ in range(width)]
@@ -123,7 +131,7 @@ def stream_runs(runs: Sequence[TensorRun], device: torch.device, *,
     finally:
         for event in copied:
             event.synchronize()  # no copy still reads the buffers
-        if cuda:
+        if pinned:
             _unregister(host)
         for fd in fds.values():
             os.close(fd)
@@ -143,12 +151,32 @@ def _empty(run: TensorRun, device: torch.device) -> tuple[str, torch.Tensor]:
     return run.name, torch.empty(run.shape, dtype=run.dtype, device=device)
 
 
-def _register(host: torch.Tensor) -> None:
+def _pin(host: torch.Tensor) -> bool:
     """Page-locks `host` for the loader's lifetime (not through torch's pinned-memory cache,
-    which would keep it for the process's)."""
-    err = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0))
-    if err:
-        raise RuntimeError(f"cudaHostRegister of {host.numel()} bytes failed (CUDA error {err})")
+    which would keep it for the process's); True if it did. Where CUDA refuses (a container's
+    limit on locked memory, memory registered already) it warns and clears the error, which the
+    runtime would otherwise keep for torch's next kernel launch to raise as its own."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(host.data_ptr(), host.numel(), 0)
+    if not int(err):
+        return True
+    try:
+        _clear_last_error()
+    except OSError as e:  # no runtime to clear the error in: falling back would meet it later
+        raise RuntimeError(f"cudaHostRegister of {host.numel()} bytes failed (CUDA error "
+                           f"{int(err)}) and the error could not be cleared: {e}") from e
+    warnings.warn(f"ppqa: cannot page-lock {host.numel() / 1e6:.1f} MB of host memory for loading "
+                  f"weights (cudaHostRegister: CUDA error {int(err)}, "
+                  f"{cudart.cudaGetErrorString(err)}); copying them from pageable memory, "
+                  "which is slower", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def _clear_last_error() -> None:
+    """cudaGetLastError in the CUDA runtime that torch loaded (`torch.cuda.cudart()` binds no
+    such call; the library is already in the process, so this opens the same instance)."""
+    runtime = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+    runtime.cudaGetLastError()
 
 
 def _unregister(host: torch.Tensor) -> None:
