@@ -14,8 +14,8 @@ from ppqa.engine.loading.gguf import _weights
 from ppqa.engine.loading.hf import _runs
 from ppqa.engine.loading.loader import load_model
 from ppqa.engine.loading.streaming import stream_runs
-from tests.test_loader_gguf import (STREAMED, Q, _vocab, blocks_config, original_weights,
-                                    write_blocks_gguf, write_tiny_gguf)
+from tests.test_gguf_blocks import STREAMED, blocks_config, write_blocks_gguf
+from tests.test_loader_gguf import Q, _vocab, original_weights, write_tiny_gguf
 from tests.test_loader_hf import QWEN2, write_hf_dir
 from tests.test_streaming import _shards
 
