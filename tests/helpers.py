@@ -89,6 +89,27 @@ def budget_questions(rng: random.Random, doc: str, count: int, tmpl: str, tag: s
             for i in range(count)]
 
 
+def session_questions(rng: random.Random, doc: str, count: int, tmpl: str, tag: str,
+                      budget: int | None = None) -> list:
+    """`count` questions of 3-25 characters about `doc`, keyed (tag, i), each answering
+    `budget` tokens greedily (default: 1-10 drawn; no EOS)."""
+    from ppqa import QuestionRequest, SamplingParams
+
+    return [QuestionRequest((tag, i), doc, text(rng, rng.randint(3, 25)),
+                            SamplingParams(max_new_tokens=budget or rng.randint(1, 10),
+                                           ignore_eos=True),
+                            tmpl) for i in range(count)]
+
+
+def stock_answers(eng, requests) -> dict:
+    """Stock's answers (key -> Answer), one document at a time in a plain run."""
+    out: dict = {}
+    for doc in dict.fromkeys(r.document for r in requests):
+        group = [r for r in requests if r.document == doc]
+        eng.run(group, mode="stock", on_answer=lambda r, a: out.__setitem__(r.key, a))
+    return out
+
+
 def stock_by_document(engine, requests) -> dict:
     """Stock's answers (key -> token ids), a run per document."""
     out: dict = {}
