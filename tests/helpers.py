@@ -199,6 +199,17 @@ def hf_twin(config, weights):
 WORKER_MODEL = "dummy:tiny-mha"
 
 
+def job_states(db) -> dict[int, tuple]:
+    """Every job's (status, attempts, error), by id."""
+    from sqlalchemy import select
+
+    from ppqa.store.models import Job
+
+    with db.read() as conn:
+        return {r.id: (r.status, r.attempts, r.error) for r in conn.execute(
+            select(Job.id, Job.status, Job.attempts, Job.error))}
+
+
 def make_worker(db, engine, progress=None, **options):
     """A Worker on `engine` (the tiny CPU model by default) with a 30 s lease; `options`
     override WorkerOptions fields."""
