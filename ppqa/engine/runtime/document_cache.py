@@ -208,9 +208,9 @@ class DocumentCache:
 
     def evict(self, n: int) -> bool:
         """Evict unused documents until at least n more slots are free; False if impossible."""
-        if self.unused_slots() < n:
-            return False
         unused = sorted((d for d in self._docs.values() if d.ref_count == 0), key=lambda d: d.last_used)
+        if sum(d.length for d in unused) < n:
+            return False
         freed = 0
         for doc in unused:
             if freed >= n:
