@@ -90,7 +90,7 @@ def test_allocator_rejects_double_free_and_the_sink() -> None:
 
 
 def test_freeing_many_requests_at_once_leaves_what_one_by_one_leaves() -> None:
-    """Scheduler.release_all frees several requests' slots as one set: the free runs and the
+    """KVPlacement.release frees several requests' slots as one set: the free runs and the
     count come out as freeing them one at a time would leave them; an overlap is a double free."""
     def allocate(alloc: SlotAllocator) -> list[torch.Tensor]:
         parts = [alloc.alloc(n) for n in (7, 3, 11, 5, 9)]

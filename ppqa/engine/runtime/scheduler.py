@@ -1,10 +1,9 @@
 """Which requests run this step: admission by free KV, chunked prefill, continuous batching.
 
 Requests wait in arrival order (callers submit each document's requests together). `admit` takes
-requests from the head of the queue while a req_to_token row is free and the pool can hold the
-request's document (cached, or newly allocated, evicting unused documents) plus its reservation
-(every question and its whole answer budget, so a running request never runs out of KV); a
-cascade group of a document that no admitted request holds waits until a share of the rows is
+requests from the head of the queue while `KVPlacement` can place them (a req_to_token row, the
+request's document, cached or inserted, and a reservation of every question and its whole answer
+budget; kv_placement.py); a cascade group of a document that no admitted request holds waits until a share of the rows is
 free (`_room_for_group`). Rows stop at `max_batch_requests`, except for a whole cascade group of
 at least half that many that the pool holds: it may start past them, up to `max_wide_requests`
 (`_widens`), so that two large documents decode in one step.
@@ -45,6 +44,7 @@ import torch
 from ppqa.engine.runtime import steps
 from ppqa.engine.runtime.document_cache import CachedDocument, DocumentCache
 from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
+from ppqa.engine.runtime.kv_placement import KVPlacement
 from ppqa.engine.runtime.layout import document_layout
 from ppqa.engine.runtime.request import Request, Stream
 from ppqa.engine.runtime.runner import StepInputs
@@ -55,7 +55,8 @@ class Scheduler:
     def __init__(self, pool: KVPool, table: ReqToTokenTable, docs: DocumentCache, *,
                  max_prefill_tokens: int, max_batch_requests: int,
                  max_wide_requests: int | None = None) -> None:
-        self.pool, self.table, self.docs = pool, table, docs
+        self.memory = KVPlacement(pool, table, docs)
+        self.table = table
         self.max_prefill_tokens = max_prefill_tokens
         self.max_batch_requests = max_batch_requests
         self.max_wide_requests = max_wide_requests or max_batch_requests
@@ -134,7 +135,7 @@ class Scheduler:
             q_tokens = req.prefill_tokens
             if admitted and tokens + q_tokens > self.max_prefill_tokens:
                 break  # the next `admit` takes more
-            if not self._allocate(req):
+            if not self.memory.place(req):
                 self.admit_blocked = True
                 break
             self.waiting.popleft()
@@ -145,8 +146,7 @@ class Scheduler:
             req = self.waiting[0]
             raise RuntimeError(  # validation should make this impossible; never loop forever
                 f"cannot admit a request of {req.doc_len} document + {req.reserve_tokens} reserved "
-                f"tokens into an idle KV pool of {self.pool.allocator.capacity} slots "
-                f"({self.pool.allocator.num_free} free, {self.table.num_free_rows} free rows)")
+                f"tokens into an idle KV pool of {self.memory.describe()}")
         self.prefilling.extend(admitted)
         return admitted
 
@@ -185,11 +185,7 @@ class Scheduler:
                 or 2 * len(group) < self.max_batch_requests
                 or taken + len(group) > self.max_wide_requests):
             return False
-        cached = self.docs.get(req.doc_ids, req.doc_key)
-        if cached is None and not self.docs.holds_run(len(req.doc_ids)):
-            return False
-        need = sum(r.reserve_tokens for r in group) + (0 if cached else len(req.doc_ids))
-        return need <= self.pool.allocator.num_free + self.docs.unused_slots(besides=cached)
+        return self.memory.holds_group(group)
 
     def _room_for_group(self, doc_key, free_rows: int) -> bool:
         """Whether a new document's cascade group may start beside the requests running: with
@@ -207,48 +203,15 @@ class Scheduler:
             count += 1
         return free_rows >= min(count, need)
 
-    def _allocate(self, req: Request) -> bool:
-        if self.table.num_free_rows == 0:
-            return False
-        doc = self.docs.get(req.doc_ids, req.doc_key)
-        if doc is None:
-            doc = self.docs.insert(req.doc_ids, req.doc_key)
-            if doc is None:
-                return False
-        self.docs.acquire(doc)  # pinned before the reservation so eviction cannot take it
-        # A request's own slots come from the pool's far end: freed when it finishes, they
-        # would otherwise leave holes between documents, and a document that finds no run
-        # long enough is gathered slot by slot in every decode step (a slower kernel and a
-        # graph of its own).
-        slots = self.docs.alloc(req.reserve_tokens, high=True)
-        if slots is None:
-            self.docs.release(doc)
-            return False
-        row = self.table.alloc()
-        self.table.write(row, 0, doc.slots)
-        self.table.write(row, doc.length, slots)
-        req.doc, req.row, req.slots, req.prefix_len = doc, row, slots, doc.length
-        return True
-
     def release(self, req: Request) -> None:
         """Give back a request's slots, row and document reference."""
         self.release_all([req])
 
     def release_all(self, requests: Sequence[Request]) -> None:
-        """`release` for many requests, their slots merged into the free runs at once (a step
-        that ends a whole batch frees hundreds of requests: one by one, each merge walks every
-        free run again)."""
-        done = [r for r in requests if r.row >= 0]
-        if not done:
-            return
-        slots = [r.slots for r in done if r.slots is not None and r.slots.numel()]
-        if slots:
-            self.pool.allocator.free(torch.cat(slots) if len(slots) > 1 else slots[0])
-        for req in done:
-            self.table.free(req.row)
-            self.docs.release(req.doc)
-            req.row, req.slots = -1, None
-        self.admit_blocked = False
+        """`release` for many requests at once (`KVPlacement.release`); a waiting request that
+        found no room may be admitted now."""
+        if self.memory.release(requests):
+            self.admit_blocked = False
 
     def abort_all(self) -> None:
         """Drop every queued, prefilling and running request (a stop, or an error)."""
