@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.fixtures_models"]
+pytest_plugins = ["tests.fixtures_models", "tests.faults"]
 
 PG_BASE_URL = os.environ.get("PPQA_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 _pg_problem: list[str] = []  # cached reachability verdict ("" = reachable)

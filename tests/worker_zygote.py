@@ -1,10 +1,10 @@
-"""A launcher of `ppqa run` worker processes for the fault tests (tests/test_faults.py).
+"""A launcher of `ppqa run` worker processes for the fault tests (tests/test_faults*.py).
 
-Started once per test module as `python tests/worker_zygote.py`, it imports torch, the engine
-and the CLI and answers one question with the tiny model (so that everything lazy is loaded),
-then forks a fresh process per request: each child runs the real `ppqa` command line (store,
-lease thread, engine, signals) in its own process, and can be killed with SIGKILL like any
-worker. Killing 50 workers then costs 50 forks instead of 50 interpreter starts of a few
+Started once per test session as `python tests/worker_zygote.py` (the `zygote` fixture,
+tests/faults.py), it imports torch, the engine and the CLI and answers one question with the
+tiny model (so that everything lazy is loaded), then forks a fresh process per request: each
+child runs the real `ppqa` command line (store, lease thread, engine, signals) in its own
+process, and can be killed with SIGKILL like any worker. Killing 50 workers then costs 50 forks instead of 50 interpreter starts of a few
 seconds each on a loaded 2-core machine. Torch runs one thread, so no thread pool is forked.
 
 Protocol, one line each way on stdin/stdout:
