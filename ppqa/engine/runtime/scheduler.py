@@ -4,9 +4,9 @@ Requests wait in arrival order (callers submit each document's requests together
 requests from the head of the queue while `KVPlacement` can place them (a req_to_token row, the
 request's document, cached or inserted, and a reservation of every question and its whole answer
 budget; kv_placement.py); a cascade group of a document that no admitted request holds waits
-until a share of the rows is free (`_room_for_group`). Rows stop at `max_batch_requests`, except for a whole cascade group of
-at least half that many that the pool holds: it may start past them, up to `max_wide_requests`
-(`_widens`), so that two large documents decode in one step.
+until a share of the rows is free (`_room_for_group`). Rows stop at `max_batch_requests`,
+except for a whole cascade group of at least half that many that the pool holds: it may start
+past them, up to `max_wide_requests` (`_widens`), so that two large documents decode in one step.
 Admitted requests wait in `prefilling` while their document is prefilled in chunks
 (`document_chunk`, at most `max_prefill_tokens` a forward, so running requests keep decoding
 between chunks); then `questions_ready` hands out those whose document is ready, and
