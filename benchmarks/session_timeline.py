@@ -22,6 +22,9 @@ Every pass records a step trace (`trace`): each decode step's time, rows and pad
 documents, and each document chunk, so that a pass's steps can be laid out over time
 (`trace_summary`: rows per step in each eighth of the pass, and the chunks).
 
+The probes it wraps around the session and the worker are in `timeline_probes.py`, the worker
+and arrivals passes in `timeline_worker.py`.
+
     python3 benchmarks/session_timeline.py --workload paper --mode auto --out timeline.json
 """
 
@@ -31,13 +34,11 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import torch
 
 from ppqa import Engine, QuestionRequest, SamplingParams
 from ppqa.config import EngineConfig
@@ -45,44 +46,12 @@ from ppqa.bench.workloads import get_workload, make_jobs
 from ppqa.engine.runtime.graph_runner import GraphCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_time import Profile, print_summary  # noqa: E402 -- a sibling file, not a package
-
-
-class Tally:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: Counter = Counter()
-
-
-def wrap(owner, name: str, tally: Tally, label: str, on_result=None, phase=None):
-    original = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        if phase is not None:
-            phase["now"] = label
-        out = original(*args, **kwargs)
-        if phase is not None:
-            phase["now"] = "other"
-        tally.seconds[label] += time.perf_counter() - t0
-        tally.calls[label] += 1
-        if on_result is not None:
-            on_result(args, out)
-        return out
-
-    setattr(owner, name, timed)
-    return original
-
-
-def phased(owner, name: str, prof, label: str) -> None:
-    """Launches from owner.name count for `label` in prof's GPU time (gpu_time.py)."""
-    original = getattr(owner, name)
-
-    def inner(*args, **kwargs):
-        with prof.phase(label):
-            return original(*args, **kwargs)
-
-    setattr(owner, name, inner)
+# Sibling files, not a package.
+from gpu_time import Profile, print_summary  # noqa: E402
+from timeline_probes import (  # noqa: E402
+    SyncLog, Tally, allocator_counts, graph_keys, phased, sync, trace_cudnn, trace_summary, wrap,
+)
+from timeline_worker import worker_pass  # noqa: E402
 
 
 def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: dict,
@@ -107,7 +76,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         key_use[repr(call_args[0].key(call_args[2]))] += 1
 
     restore = wrap(GraphCache, "run", tally, "graph_run", graph_result)
-    captured_before = set(map(repr, _graph_keys(engine)))
+    captured_before = set(map(repr, graph_keys(engine)))
     compiled_before = (compiles["count"], compiles["seconds"])
     allocator_before = allocator_counts(engine)
     answers: list[float] = []
@@ -198,241 +167,13 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         # which of them it captured (a capture idles the GPU for its eager run and
         # instantiation).
         "graph_keys": dict(key_use.most_common()),
-        "captured_keys": sorted(set(map(repr, _graph_keys(engine))) - captured_before),
+        "captured_keys": sorted(set(map(repr, graph_keys(engine))) - captured_before),
         "first_answer_s": (answers[0] - t0) if answers else None,
         # The caching allocator's device calls in this pass: a failed cudaMalloc frees the
         # cached blocks (a device-wide sync) and retries.
         "allocator": {k: v - allocator_before.get(k, 0)
                       for k, v in allocator_counts(engine).items()},
     }
-
-
-def trace_summary(trace: list[tuple], wall: float, parts: int = 8) -> dict:
-    """The pass cut into `parts` equal spans of its wall time: per span the decode steps,
-    their mean rows and padded rows and documents, and the document chunks (with their
-    tokens); and over the whole pass, the decode steps by padded rows."""
-    span = max(wall, 1e-9) / parts
-    spans = [{"steps": 0, "rows": 0, "padded": 0, "docs": 0, "chunks": 0, "chunk_tokens": 0}
-             for _ in range(parts)]
-    padded: Counter = Counter()
-    for t, what, rows, pad, docs in trace:
-        cell = spans[min(parts - 1, int(t / span))]
-        if what == "decode":
-            cell["steps"] += 1
-            cell["rows"] += rows
-            cell["padded"] += pad
-            cell["docs"] += docs
-            padded[pad] += 1
-        else:
-            cell["chunks"] += 1
-            cell["chunk_tokens"] += rows
-    for cell in spans:
-        n = max(cell["steps"], 1)
-        for k in ("rows", "padded", "docs"):
-            cell[k] = round(cell[k] / n, 1)
-    steps = sum(padded.values())
-    rows = sum(r for _, what, r, _, _ in trace if what == "decode")
-    return {"span_s": round(span, 3), "spans": spans, "steps_by_padded_rows": dict(padded),
-            "decode_steps": steps, "mean_rows": round(rows / max(steps, 1), 1),
-            "mean_padded": round(sum(p * c for p, c in padded.items()) / max(steps, 1), 1)}
-
-
-ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free",
-                    "num_sync_all_streams", "num_ooms")
-
-
-def allocator_counts(engine: Engine) -> dict[str, int]:
-    """The caching allocator's cumulative counters that cost the host a device call."""
-    if engine.device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(engine.device)
-    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
-
-
-def _graph_keys(engine: Engine) -> list:
-    cache = engine._parts.runner.graphs
-    return list(cache.graphs) if cache is not None else []
-
-
-class SyncLog:
-    """Every synchronising CUDA call (torch's sync debug mode, 'warn') while active, counted
-    by the innermost ppqa frames that made it: the session's loop should wait for the GPU
-    only where it reads tokens back, so any other site is a stall to remove."""
-
-    def __init__(self) -> None:
-        self.sites: Counter = Counter()
-
-    def __enter__(self):
-        import traceback
-        import warnings
-
-        self._old_show = warnings.showwarning
-        self._filters = warnings.filters[:]
-        warnings.simplefilter("always")
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if "synchronizing" not in str(message):
-                return self._old_show(message, category, filename, lineno, file, line)
-            frames = [f for f in traceback.extract_stack()[:-1] if "/ppqa/" in f.filename]
-            site = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
-                              for f in reversed(frames[-3:]))
-            self.sites[site or "(outside ppqa)"] += 1
-
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import warnings
-
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = self._old_show
-        warnings.filters[:] = self._filters
-
-
-def sync(engine: Engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-
-
-def ingest(db_path: Path, batch: Path) -> None:
-    subprocess.run([sys.executable, "-m", "ppqa", "--db", str(db_path), "ingest", "--batch",
-                    str(batch)], check=True, capture_output=True, text=True)
-
-
-def feed(worker, db_path: Path, jobs, folder: Path, seconds: float, log: dict) -> None:
-    """Ingest `jobs` into the store over `seconds` (a tick's jobs in one `ppqa ingest`, as
-    `ppqa bench --e2e arrivals` does), then stop `worker` once every job has settled."""
-    from ppqa.bench.e2e_report import all_settled
-    from ppqa.bench.workloads import write_batch
-
-    total, sent, tick = len(jobs.jobs), 0, 0
-    due_at = seconds / max(1, total)
-    t0 = time.perf_counter()
-    try:
-        while sent < total and not worker.stopping:
-            due = min(total, int((time.perf_counter() - t0) / due_at) + 1)
-            if due > sent:
-                batch = write_batch(jobs, folder, jobs.jobs[sent:due], f"tick-{tick}.jsonl")
-                ingest(db_path, batch)
-                log["ticks"].append((round(time.perf_counter() - log["t0"], 3), due - sent))
-                sent, tick = due, tick + 1
-            time.sleep(max(0.0, min(1.0, sent * due_at - (time.perf_counter() - t0))))
-        while not worker.stopping and not all_settled(db_path, total):
-            time.sleep(0.1)
-    finally:
-        worker.request_stop("every job settled")
-
-
-def worker_pass(engine: Engine, workload, jobs, mode: str, folder: Path, instrument, answers,
-                tally: Tally, prof=None, clock: dict | None = None,
-                arrival_seconds: float | None = None):
-    """The workload ingested into a fresh store by the CLI, then `Worker.run` in this process
-    on `engine`, with the CLI's progress sink; the worker loop's phases join `tally`. With
-    `arrival_seconds`, the worker follows the store and a thread ingests the jobs over that
-    time (`feed`)."""
-    import threading
-
-    from ppqa.bench.workloads import write_batch
-    from ppqa.cli.run_progress import make_progress
-    from ppqa.store.db import open_db
-    from ppqa.store.lookups import waiting_questions
-    from ppqa.worker import loop
-
-    # A folder per workload and seed, whose stores and batch files a later pass leaves alone.
-    folder = folder / f"{workload.name}-seed-{workload.seed}"
-    folder.mkdir(parents=True, exist_ok=True)
-    db_path = folder / f"worker-{workload.seed}.db"
-    db_path.unlink(missing_ok=True)
-    t_ingest = time.perf_counter()
-    if arrival_seconds is None:
-        ingest(db_path, write_batch(jobs, folder, name=f"batch-{workload.seed}.jsonl"))
-    else:
-        open_db(str(db_path)).close()
-    ingest_s = time.perf_counter() - t_ingest
-    db = open_db(str(db_path))
-    model = engine.model_name
-    options = loop.WorkerOptions(model=model, device=str(engine.device), mode=mode,
-                                 follow=arrival_seconds is not None)
-    progress = make_progress(lambda: waiting_questions(db, model))
-    worker = loop.Worker(db, engine, options, progress)
-    new_session = worker._new_session
-    worker._new_session = lambda: instrument(new_session())
-    for name in ("_claim_if_room", "_write_and_settle", "_drop_lost"):
-        if prof is not None:
-            phased(worker, name, prof, name.strip("_"))
-        wrap(worker, name, tally, f"worker{name}")
-    restore: list = []
-    if prof is not None:  # store transactions and device waits, within the phases above
-        from ppqa.store import queue as store_queue
-
-        for owner, name, label in ((store_queue, "claim_jobs", "claim_sql"),
-                                   (store_queue, "record_answers", "answers_sql"),
-                                   (store_queue, "finish_job", "finish_sql"),
-                                   (torch.cuda, "synchronize", "sync")):
-            restore.append((owner, name, getattr(owner, name)))
-            phased(owner, name, prof, label)
-    on_answer = worker._on_answer
-
-    def answered(req, answer):
-        answers.append(time.perf_counter())
-        on_answer(req, answer)
-
-    worker._on_answer = answered
-    sync(engine)
-    t0 = time.perf_counter()
-    if clock is not None:
-        clock["t0"] = t0
-    arrivals = {"t0": t0, "ticks": []}
-    if arrival_seconds is not None:
-        threading.Thread(target=feed, args=(worker, db_path, jobs, folder, arrival_seconds,
-                                            arrivals), daemon=True).start()
-    try:
-        summary = worker.run()
-    finally:
-        for owner, name, original in restore:
-            setattr(owner, name, original)
-    sync(engine)
-    wall = time.perf_counter() - t0
-    session = worker._session
-    stats = session.stats
-    done = sum(1 for j in summary.jobs if j.status == "done")
-    if not done:
-        failed = [j.error for j in summary.jobs if j.error]
-        raise SystemExit(f"no job of the pass was answered ({len(summary.jobs)} claimed); "
-                         f"first error: {failed[0] if failed else 'none reported'}")
-    extra = {"ingest_s": ingest_s, "jobs_done": done, "jobs": len(summary.jobs),
-             "worker_wall_s": summary.wall_seconds, "questions_answered": summary.questions}
-    if arrival_seconds is not None:
-        extra["arrival_ticks"] = arrivals["ticks"]
-        extra["last_answer_s"] = (answers[-1] - t0) if answers else None
-    return t0, tally.calls["decode"], wall, stats, extra
-
-
-def trace_cudnn(calls: list[list]) -> None:
-    """Wrap the engine's two ways into cuDNN attention (torch's SDPA for a first chunk, the
-    backend's `fused_chunks.cudnn_attention` for a later chunk) to record [kind, host seconds, key met
-    before in this process, key]: the key is what cuDNN's plan cache is keyed by (shapes,
-    strides, causal)."""
-    import torch.nn.functional as F
-
-    from ppqa.engine.attention import fused_chunks
-
-    seen: set = set()
-
-    def timed(kind, fn):
-        def call(q, k, v, *a, **kw):
-            key = (kind, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(),
-                   bool(kw.get("is_causal", kw.get("causal", False))))
-            t0 = time.perf_counter()
-            out = fn(q, k, v, *a, **kw)
-            calls.append([kind, time.perf_counter() - t0, key in seen, str(key)])
-            seen.add(key)
-            return out
-        return call
-
-    F.scaled_dot_product_attention = timed("sdpa", F.scaled_dot_product_attention)
-    fused_chunks.cudnn_attention = timed("chunk", fused_chunks.cudnn_attention)
 
 
 def main() -> None:
