@@ -8,9 +8,7 @@ keeps a few requests or one. This measures that shape per layer, stock against c
 its replays timed, as the engine runs decode), the cascade document kernel alone, and what the
 cost model (`engine/runtime/cost_model.py`) predicts for each, so the model's constants can be
 checked against the kernels at this shape. Cascade runs three times: with the step's own
-maxima, and with the bounds an engine's CUDA graph plans for (`BOUNDS`); and once more at the
-engine's bounds with each request's own tokens gathered through req_to_token instead of read as
-its slot run (`tiles_gathered_own`).
+maxima, and with the bounds an engine's CUDA graph plans for (`BOUNDS`).
 
 Each case is a list of group sizes: "18x6" is six documents of 18 requests, "18,9,4,2,1,1" a
 step late in a run. Every request has `--own` tokens of its own (question and answer so far)
@@ -94,13 +92,11 @@ class Step:
                             slot_sid=torch.full((slots,), -1, **I32)),
             heads, kv_heads, dim, 1 / math.sqrt(dim))
 
-    def meta(self, cascade: bool, bounds: str = "exact", own_runs: bool = True) -> ForwardMetadata:
+    def meta(self, cascade: bool, bounds: str = "exact") -> ForwardMetadata:
         """The step's metadata; cascade with `bounds` as a CUDA graph of the engine holds them:
         "exact" (the step's own maxima, as an eager step), "pow2" (groups padded with empty
         ones and the largest group rounded to powers of two, the document to its length
-        bucket) or "tiles" (the same, the group size by the backend's cascade_group_bound).
-        own_runs: cascade requests' own tokens read as their slot runs (the engine's
-        `batching.decode_runs`), else gathered through req_to_token."""
+        bucket) or "tiles" (the same, the group size by the backend's cascade_group_bound)."""
         batch, prefix = self.batch, self.doc_len + self.own - 1
         casc, max_prefix = None, prefix
         if cascade:
@@ -123,11 +119,6 @@ class Step:
                 contiguous=not self.gather,
                 doc_groups=groups if bounds == "exact" else _pow2(groups))
         hints = not cascade and not self.gather  # stock rows read their document runs
-        doc_start = self.doc_first.to(**I32) if hints else None
-        doc_len = torch.full((batch,), self.doc_len, **I32) if hints else None
-        if cascade and own_runs:  # row position p of request b at slot own_first[b] - doc_len + p
-            doc_start = (self.table[:, self.doc_len] - self.doc_len).to(**I32)
-            doc_len = torch.full((batch,), self.doc_len + self.own, **I32)
         return ForwardMetadata(
             kind="decode", positions=torch.zeros(batch, dtype=torch.int64, device=DEV),
             out_slots=self.out_slots.long(), q_sid=torch.zeros(batch, **I32),
@@ -136,7 +127,8 @@ class Step:
             prefix_lens=torch.full((batch,), prefix, **I32), req_to_token=self.table,
             logit_indices=torch.arange(batch, device=DEV), max_extend_len=1,
             max_prefix_len=max_prefix, cascade=casc,
-            doc_start=doc_start, doc_len=doc_len)
+            doc_start=self.doc_first.to(**I32) if hints else None,
+            doc_len=torch.full((batch,), self.doc_len, **I32) if hints else None)
 
     def forward(self, meta: ForwardMetadata) -> torch.Tensor:
         return self.backend.forward(0, self.q, self.k_new, self.v_new, meta)
@@ -204,11 +196,6 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
                 step.backend.sm_scale, plan.prefix_splits, *part,
                 doc_starts=step.backend._doc_starts(casc)), graphs)}
         row[bounds]["x"] = row["stock_ms"] / row[bounds]["cascade_ms"]
-    # The engine's graphs' bounds, the own tokens gathered (as before `decode_runs`).
-    meta = step.meta(True, "tiles", own_runs=False)
-    row["tiles_gathered_own"] = {
-        "max_abs_diff": float((step.forward(meta).float() - stock_out).abs().max()),
-        "cascade_ms": timed(lambda: step.forward(meta), graphs)}
     for mode in ("stock", "cascade"):
         row[f"{mode}_predicted_ms"] = predicted_ms(cfg, doc_len, sizes, own, mode)
         row[f"{mode}_floor_ms"] = floor_ms(cfg, doc_len, sizes, own, mode)
@@ -250,8 +237,7 @@ def main() -> None:
                            for b in BOUNDS)
         print(f"{text:>20} {row['stock_ms']:6.3f} | {parts} | {row['predicted_x']:6.2f} "
               f"{row['document_floor_ms']:9.4f}  diff "
-              f"{max(row[b]['max_abs_diff'] for b in BOUNDS):.1e}; own gathered "
-              f"{row['tiles_gathered_own']['cascade_ms']:7.3f}", flush=True)
+              f"{max(row[b]['max_abs_diff'] for b in BOUNDS):.1e}", flush=True)
         with open(args.out, "w") as f:
             json.dump({"model": cfg.name, "doc_tokens": doc_len, "own": own,
                        "gather": args.gather, "graphs": not args.eager, "rows": rows}, f, indent=1)

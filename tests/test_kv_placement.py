@@ -8,7 +8,6 @@ import torch
 from ppqa.config import SamplingParams
 from ppqa.engine.runtime.document_cache import DocumentCache
 from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
-from ppqa.engine.runtime import steps
 from ppqa.engine.runtime.kv_placement import KVPlacement
 from ppqa.engine.runtime.request import Request, Stream
 
@@ -95,41 +94,3 @@ def test_a_group_is_held_only_with_its_document_and_every_reservation() -> None:
     assert mem.place(busy)
     assert not mem.holds_group(group)  # 50 - 12 held by the busy request: 38 < 50
     assert mem.holds_group(group[:3])  # 20 cached + 15 <= 38 free
-
-
-def test_a_cascade_decode_step_reads_each_reservation_run_and_stock_its_document() -> None:
-    """`KVPlacement` notes where a reservation is one run (`Request.own_start`); a cascade decode
-    step hands each cascade request's run, shifted by its document's length, to its own-row
-    launch (row position p at slot doc_start + p) and each stock request its document's run;
-    a reservation in pieces and the padding get length 0 (gathered)."""
-    mem = placement(80, rows=5)
-    doc, other = list(range(1, 11)), list(range(20, 32))
-    whole = request(doc, 3, 5)
-    stock = request(other, 2, 2)
-    stock.mode = "stock"
-    assert mem.place(whole) and mem.place(stock)
-    # Leave only runs of 3 free slots, shorter than the next reservation (8).
-    alloc = mem.pool.allocator
-    rest = alloc.alloc(alloc.num_free)
-    alloc.free(torch.cat([rest[i: i + 3] for i in range(0, 30, 6)]))
-    pieces = request(doc, 3, 5)
-    assert mem.place(pieces)
-    assert whole.own_start == int(whole.slots[0]) and pieces.own_start == -1
-
-    def hints(requests, pad_to):
-        step = steps.decode_step(requests, 1, dummy_row=mem.table.DUMMY_ROW, pad_to=pad_to)
-        inputs = step.inputs
-        return inputs.doc_start.tolist(), inputs.doc_len.tolist(), inputs.whole_rows
-
-    starts, lens, whole_rows = hints([whole, pieces, stock], 4)
-    assert whole_rows  # a stock request beside the groups reads its row from 0
-    row = mem.table.table[whole.row]
-    own = range(whole.doc_len, lens[0])
-    assert lens[0] == 10 + 8 and [int(row[p]) for p in own] == [starts[0] + p for p in own]
-    assert lens[1] == 0 and lens[3] == 0  # pieces: gathered; padding
-    assert stock.doc.start >= 0 and (starts[2], lens[2]) == (stock.doc.start, len(other))
-    # Without a stock request the hints stay, and the rows are suffixes only.
-    starts, lens, whole_rows = hints([whole, pieces], 2)
-    assert not whole_rows and lens == [18, 0] and starts[0] == whole.own_start - 10
-    mem.release([whole])
-    assert whole.own_start == -1

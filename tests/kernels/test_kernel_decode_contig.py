@@ -1,8 +1,7 @@
-"""decode_attention reading contiguous runs at affine addresses (doc_start/doc_len), against the
-float64 reference: stock rows' documents (one slot run each, questions and answers scattered, one
-group's document left to the gather path, splits forced), and a cascade step's own tokens in
-their reservations. The hinted entries in req_to_token point at the sink, so only the affine
-path can pass."""
+"""decode_attention (stock) reading contiguous documents at affine addresses (doc_start/doc_len)
+against the float64 reference: documents of one slot run each, questions and answers scattered,
+one group's document left to the gather path (doc_len 0), splits forced. The contiguous rows'
+document entries in req_to_token point at the sink, so only the affine path can pass."""
 
 import math
 
@@ -64,64 +63,3 @@ def test_doc_start_and_doc_len_go_together():
                          torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
                          *(torch.zeros(1, dtype=torch.int32, device=DEVICE),) * 3, 1.0,
                          doc_start=torch.zeros(1, dtype=torch.int32, device=DEVICE))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
-def test_cascade_suffix_reads_each_reservation_at_affine_addresses(heads, dtype):
-    """A cascade step's own-row launch (kv_start = the document's end) given each request's
-    reservation as the run doc_start + p (`batching.decode_runs`): documents scattered, every
-    request's question and answers one run. The first document's runs sit at the pool's low
-    slots, so their shift (first slot - document length) is negative; the second's at its top.
-    The last request keeps the gather path (length 0). The hinted rows' own entries in
-    req_to_token point at the sink, so only the affine path can pass."""
-    num_heads, num_kv_heads, head_dim = heads
-    docs, per_doc, gap = (37, 300), 3, 3
-    gen = torch.Generator().manual_seed(num_heads + head_dim)
-    suffixes = [torch.randint(1, 40, (per_doc,), generator=gen).tolist() for _ in docs]
-    own = [n + 1 for lens in suffixes for n in lens]  # question and answers, and the new token
-    pool = Pool(sum(docs) + sum(own) + gap * len(own) + 64, num_kv_heads, head_dim, dtype,
-                DEVICE, gen)
-    free = sorted(pool.free)
-    low, high = own[:per_doc], own[per_doc:]
-    runs, pos = [], 0
-    for n in low:
-        runs.append(free[pos: pos + n])
-        pos += n + gap
-    top = len(free)
-    for n in reversed(high):
-        runs.insert(per_doc, free[top - n: top])
-        top -= n + gap
-    rest = free[pos: top]
-    rest = [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()]
-    ordered, run_iter = [], iter(runs)
-    for doc_len, lens in zip(docs, suffixes):
-        ordered, rest = ordered + rest[:doc_len], rest[doc_len:]
-        for _ in lens:
-            ordered += next(run_iter)
-    pool.free = ordered + rest
-    batch, _, _ = decode_step(pool, docs, suffixes, num_heads, head_dim, gen, DEVICE,
-                              cascade=True)
-    lens = [d for d, lens in zip(docs, suffixes) for _ in lens]
-    starts = [run[0] - d for run, d in zip(runs, lens)]
-    assert starts[0] < 0 < starts[-1]
-    hinted = len(own) - 1  # the last request is read by gathering
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    doc_start = torch.tensor(starts[:hinted] + [0], **i32)
-    doc_len = torch.tensor([d + n for d, n in zip(lens, own)][:hinted] + [0], **i32)
-    table = batch.req_to_token.clone()
-    for b in range(hinted):
-        table[b, lens[b]: lens[b] + own[b]] = 0
-    scale = 1 / math.sqrt(head_dim)
-    seq_lens = batch.prefix_lens + 1
-    ref = decode_attention_ref(batch.q, pool.k, pool.v, batch.req_to_token, batch.req_indices,
-                               batch.kv_start, seq_lens, scale)
-    for splits, tma in ((None, None), (1, False), (2, False), (1, True), (2, True)):
-        o, lse = poisoned(batch.q.shape, dtype), poisoned(batch.q.shape[:2])
-        used = decode_attention(batch.q, o, pool.k, pool.v, table, batch.req_indices,
-                                batch.kv_start, batch.prefix_lens, scale, lse=lse,
-                                num_splits=splits, seq_len_offset=1, max_seq_len=max(own),
-                                doc_start=doc_start, doc_len=doc_len, tma=tma)
-        what = f"cascade suffix splits={used} tma={tma}"
-        assert_close_to_ref(o, ref[0], dtype, f"{what} o")
-        assert_close_to_ref(lse, ref[1], torch.float32, f"{what} lse")

@@ -64,9 +64,6 @@ class CascadeMetadata:
     # host int: the groups that have a document (a batch padded for a CUDA graph ends in a
     # group of dummies whose document is empty); the split planner counts only these. None: G.
     doc_groups: int | None = None
-    # host bool: stock requests decode beside the groups and read their rows whole, from
-    # position 0 (the split planner's bound is then a whole row, not a suffix).
-    whole_rows: bool = False
 
 
 @dataclass
@@ -86,11 +83,7 @@ class ForwardMetadata:
     cascade: CascadeMetadata | None = None
     # Optional hints, [B] int32: row positions [0, doc_len[b]) of request b are the slot run
     # doc_start[b] + i, all of stream -1 (a cached document); doc_len 0 = unknown. Kernels may
-    # read that part with affine addresses; without them (None) they gather everything. In a
-    # cascade decode step, whose launches read a cascade request's row from kv_start (its own
-    # tokens), the hint covers what each request's own-row launch reads: a cascade request's
-    # positions [kv_start, doc_len) are the run doc_start + i of its reservation
-    # (`batching.decode_runs`; doc_start may be negative there).
+    # read that part with affine addresses; without them (None) they gather everything.
     doc_start: torch.Tensor | None = None
     doc_len: torch.Tensor | None = None
     # [B] int64 on the host: prefix_lens as the scheduler built them, for a backend that plans

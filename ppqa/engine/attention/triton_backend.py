@@ -166,8 +166,8 @@ class TritonBackend:
                                           meta.max_prefix_len, self.scratch,
                                           contiguous=meta.doc_start is not None))
         # A decode row ends at prefix_len + 1; for cascade that bounds the suffix as well.
-        # A cascade step with stock requests in it has whole rows too.
-        whole = meta.cascade is None or meta.cascade.whole_rows
+        # A cascade step with stock requests in it (document hints present) has whole rows too.
+        whole = meta.cascade is None or meta.doc_start is not None
         splits = decode_splits(self.device, meta.batch_size, *heads, meta.max_prefix_len + 1,
                                self.scratch, whole_rows=whole)
         if meta.cascade is None:
@@ -318,8 +318,7 @@ class TritonBackend:
                                  casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
                                  self.sm_scale, plan.prefix_splits, part_o, part_lse,
                                  state_offset=plan.splits, doc_starts=self._doc_starts(casc))
-        # Stock requests in a cascade step read their rows whole, with their documents' hints;
-        # cascade requests their own tokens, with their reservations' (`batching.decode_runs`).
+        # Stock requests in a cascade step read their rows whole, with their documents' hints.
         launch_decode(q, k_buf, v_buf, meta.req_to_token, meta.req_indices, meta.kv_start,
                       meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,
                       part_lse=part_lse, seq_len_offset=1, doc_start=meta.doc_start,

@@ -6,7 +6,6 @@ positions.
         that each fit the pool;
     cascade_groups: the (first, end, doc_len, doc start) groups of requests sharing a document;
     doc_runs: each request's contiguous document run (the document hint);
-    decode_runs: in a cascade decode step, each request's run as its launch reads it;
     sampling_rows: the sampling parameters of a step's logit rows;
     grammar_rows: the rows whose streams follow a JSON grammar, with those streams.
 """
@@ -67,27 +66,6 @@ def doc_runs(requests: Sequence[Request], pad: int) -> dict[str, torch.Tensor]:
     starts = [max(r.doc.start, 0) for r in requests] + [0] * pad
     lens = [r.doc_len if r.doc.start >= 0 else 0 for r in requests] + [0] * pad
     return {"doc_start": torch.tensor(starts), "doc_len": torch.tensor(lens)}
-
-
-def decode_runs(requests: Sequence[Request], pad: int) -> dict[str, torch.Tensor]:
-    """The hints of a cascade decode step's own-row launch: row positions p < doc_len[b] that
-    request b reads are at slot doc_start[b] + p. A stock request reads its row whole, so its
-    run is its document's (`doc_runs`); a cascade request reads its own tokens from its
-    document's end, so its run is its reservation's, shifted by the document's length (the
-    start may be negative). Length 0 where the slots are not one run, and for padding."""
-    starts, lens = [], []
-    for r in requests:
-        if r.mode != "cascade":
-            starts.append(max(r.doc.start, 0))
-            lens.append(r.doc_len if r.doc.start >= 0 else 0)
-        elif r.own_start >= 0:
-            starts.append(r.own_start - r.doc_len)
-            lens.append(r.doc_len + r.slots.numel())
-        else:
-            starts.append(0)
-            lens.append(0)
-    return {"doc_start": torch.tensor(starts + [0] * pad),
-            "doc_len": torch.tensor(lens + [0] * pad)}
 
 def sampling_rows(requests: Sequence[Request], rows: list[int] | None, pad_rows: int) -> SamplingBatch:
     """Parameters of the step's logit rows: the first rows[i] streams of request i (prefill)

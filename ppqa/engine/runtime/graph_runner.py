@@ -79,8 +79,7 @@ class GraphCache:
             _pow2(casc.max_group_size) if group_bound is None
             else group_bound(casc.max_group_size, casc.contiguous),
             length_bucket(casc.max_doc_len), casc.contiguous,
-            _pow2(casc.doc_groups if casc.doc_groups is not None else casc.doc_req_indices.shape[0]),
-            casc.whole_rows)
+            _pow2(casc.doc_groups if casc.doc_groups is not None else casc.doc_req_indices.shape[0]))
         return self._key(meta, cascade_key)
 
     def _key(self, meta: ForwardMetadata, cascade_key) -> tuple:
@@ -113,7 +112,7 @@ class GraphCache:
         fields = {name: getattr(meta, name).clone() for name in _fields(meta)}
         cascade = None
         if meta.cascade is not None:
-            groups, group_size, doc_bound, contiguous, doc_groups, whole_rows = key[5]
+            groups, group_size, doc_bound, contiguous, doc_groups = key[5]
             casc = meta.cascade
 
             def room(t: torch.Tensor | None, extra: int) -> torch.Tensor | None:
@@ -123,8 +122,7 @@ class GraphCache:
                 group_req_indptr=room(casc.group_req_indptr, 1),
                 doc_req_indices=room(casc.doc_req_indices, 0), doc_lens=room(casc.doc_lens, 0),
                 doc_starts=room(casc.doc_starts, 0), max_group_size=group_size,
-                max_doc_len=doc_bound, contiguous=contiguous, doc_groups=doc_groups,
-                whole_rows=whole_rows)
+                max_doc_len=doc_bound, contiguous=contiguous, doc_groups=doc_groups)
             _copy_groups(cascade, casc)
         return dataclasses.replace(meta, **fields, cascade=cascade,
                                    max_prefix_len=bound - meta.max_extend_len)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ppqa.engine.runtime.document_cache import DocumentCache
-from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable, is_run
+from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
 from ppqa.engine.runtime.request import Request
 
 
@@ -51,7 +51,6 @@ class KVPlacement:
         self.table.write(row, 0, doc.slots)
         self.table.write(row, doc.length, slots)
         req.doc, req.row, req.slots, req.prefix_len = doc, row, slots, doc.length
-        req.own_start = int(slots[0]) if slots.numel() and is_run(slots) else -1
         return True
 
     def holds_group(self, group: Sequence[Request]) -> bool:
@@ -79,11 +78,10 @@ class KVPlacement:
         for req in done:
             self.table.free(req.row)
             self.docs.release(req.doc)
-            req.row, req.slots, req.own_start = -1, None, -1
+            req.row, req.slots = -1, None
         return True
 
     def describe(self) -> str:
         """The pool's and the table's room, for an error message."""
         return (f"{self.pool.allocator.capacity} slots ({self.pool.allocator.num_free} free, "
                 f"{self.table.num_free_rows} free rows)")
-

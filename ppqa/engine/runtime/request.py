@@ -78,10 +78,6 @@ class Request:
     doc: CachedDocument | None = None
     row: int = -1
     slots: torch.Tensor | None = None  # reserved for questions + answers, after the document
-    # The first of `slots` where they are one run (row position doc_len + i is slot
-    # own_start + i), else -1: a cascade decode step reads the request's own tokens there at
-    # affine addresses (`batching.own_runs`).
-    own_start: int = -1
     prefix_len: int = 0  # row tokens cached so far
     doc_key: bytes = b""  # document_key(doc_ids); computed here unless the caller shares one
     mode: str = "stock"  # how it decodes: "stock" | "cascade" (width 1) | "parallel" (width P)

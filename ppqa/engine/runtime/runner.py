@@ -51,8 +51,6 @@ class StepInputs:
     input_src: torch.Tensor | None = None
     doc_start: torch.Tensor | None = None  # [B] int64, see ForwardMetadata
     doc_len: torch.Tensor | None = None  # [B] int64
-    # A cascade step with stock requests in it (CascadeMetadata.whole_rows).
-    whole_rows: bool = False
     # One request whose new tokens are all document tokens with nothing cached before them:
     # attention is plain causal over the step's own tokens (ForwardMetadata.plain_causal).
     plain_causal: bool = False
@@ -146,7 +144,7 @@ class ModelRunner:
                 max_doc_len=max(g[2] for g in groups),
                 doc_starts=doc_starts.to(torch.int32),
                 contiguous=all(g[3] >= 0 or g[2] == 0 for g in groups),
-                doc_groups=sum(1 for g in groups if g[2] > 0), whole_rows=step.whole_rows)
+                doc_groups=sum(1 for g in groups if g[2] > 0))
         extend_lens = step.qo_indptr.diff()
         meta = ForwardMetadata(
             kind=step.kind, positions=positions, out_slots=out_slots, q_sid=q_sid,

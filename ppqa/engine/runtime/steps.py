@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ppqa.engine.runtime.batching import (
-    cascade_groups, decode_runs, doc_runs, grammar_rows, sampling_rows,
-)
+from ppqa.engine.runtime.batching import cascade_groups, doc_runs, grammar_rows, sampling_rows
 from ppqa.engine.runtime.layout import StepLayout, decode_layout, document_layout, question_layout
 from ppqa.engine.runtime.request import Request
 from ppqa.engine.runtime.runner import StepInputs
@@ -157,13 +155,16 @@ def decode_step(requests: Sequence[Request], uid: int, *, dummy_row: int, pad_to
     kv_start = torch.zeros(batch + pad, dtype=torch.int64)
     hints = doc_runs(requests, pad)
     if cascade:
-        # Cascade requests read their rows after the document, their own tokens at affine
-        # addresses where their reservation is one run; stock ones read them whole, with
-        # their documents' hints.
+        # Cascade requests read their rows after the document; stock ones read them whole,
+        # with the document hints that only they keep.
         groups = cascade_groups(requests, pad, lambda r: r.mode == "cascade")
         kv_start = torch.tensor([r.doc_len if r.mode == "cascade" else 0 for r in requests]
                                 + [0] * pad)
-        hints = decode_runs(requests, pad)
+        if mixed:
+            keep = torch.tensor([r.mode != "cascade" for r in requests] + [False] * pad)
+            hints = {k: v * keep for k, v in hints.items()}
+        else:
+            hints = {}
     input_src = None
     if prev is not None and any(r.pending_step == prev.uid for r in requests):
         if width == 1:
@@ -179,7 +180,7 @@ def decode_step(requests: Sequence[Request], uid: int, *, dummy_row: int, pad_to
         layout=layout, qo_indptr=torch.arange(0, tokens + 1, width),
         req_rows=torch.tensor(rows), kv_start=kv_start, prefix_lens=prefix,
         logit_indices=torch.arange(tokens), cascade_groups=groups, decode=True,
-        input_src=input_src, whole_rows=mixed, **hints)
+        input_src=input_src, **hints)
     sampling = sampling_rows(requests, None, pad * width)
     bases = list(range(0, batch * width, width))
     sampling.grammar = grammar_rows(requests, bases, feed)
