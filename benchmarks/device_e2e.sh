@@ -201,6 +201,8 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step cgroups 150 python3 benchmarks/cascade_groups.py ${CG_ARGS:-} --out "$OUT/cascade_groups.json"
       step cgroups_gather 150 python3 benchmarks/cascade_groups.py --gather ${CG_ARGS:-} \
         --out "$OUT/cascade_groups_gather.json" ;;
+    overlap)  # one half-batch's GEMMs beside the other half's attention, two streams
+      step overlap 150 python3 benchmarks/overlap_probe.py ${OVERLAP_ARGS:-} --out "$OUT/overlap_probe.json" ;;
     atimeline)  # labeling's 50 jobs through the worker up front, then arriving over 6 s
       # (arrivals6's pace), twice, one process: decode steps' rows and chunks over time
       step atimeline 240 python3 benchmarks/session_timeline.py --workload labeling \
