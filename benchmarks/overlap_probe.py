@@ -13,14 +13,15 @@ half-batch's shapes and `--layers` layers:
     overlap    the GEMMs on one stream and the attention on another, joined at the end;
     overlap_carveout_N  the same with cuBLAS told to leave N SMs free
                (`torch._C._set_sm_carveout_experimental`, where this torch has it).
-Each is captured as one CUDA graph and its replays timed (median ms). The gain an engine
-could get from two interleaved half-steps is about serial - overlap per pair of halves.
+Each is captured as one CUDA graph and its replays timed (median ms, `cascade_groups.timed`).
+The gain an engine could get from two interleaved half-steps is about serial - overlap per pair
+of halves.
 
     python3 benchmarks/overlap_probe.py --model codellama-7b --doc-tokens 16384 \
         --cases 256;128x2 --own 95 --out overlap_probe.json
 
-`--smoke` runs tiny shapes on the CPU under TRITON_INTERPRET=1 (one stream, eager): the
-plumbing only.
+`--smoke` runs tiny shapes on the CPU under TRITON_INTERPRET=1 (one stream, eager, each once):
+the plumbing only.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ if "--smoke" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cascade_groups import Step, parse_case  # noqa: E402
+from cascade_groups import Step, parse_case, timed  # noqa: E402
 
 from ppqa.engine.loading.presets import preset_config  # noqa: E402
 
@@ -64,18 +64,6 @@ def gemms(x: torch.Tensor, mid: torch.Tensor, weights: list[torch.Tensor], layer
         torch.nn.functional.linear(x, wo)
         torch.nn.functional.linear(x, wgu)
         torch.nn.functional.linear(mid, wdown)
-
-
-def timed(fn) -> float:
-    """Median ms of a CUDA graph of fn (eager and once on the CPU)."""
-    fn()  # compiles and plans outside the capture
-    if DEV == "cpu":
-        return float("nan")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=80, return_mode="median")
 
 
 def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
@@ -113,15 +101,15 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
         main.wait_stream(side)
 
     row = {"sizes": sizes, "rows": rows, "layers": layers,
-           "gemm_ms": timed(gemm), "attention_ms": timed(attention),
-           "serial_ms": timed(serial), "overlap_ms": timed(overlap)}
+           "gemm_ms": timed(gemm, True), "attention_ms": timed(attention, True),
+           "serial_ms": timed(serial, True), "overlap_ms": timed(overlap, True)}
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
     if setter is not None and DEV == "cuda":
         for n in carveouts:
             setter(n)
             try:
-                row[f"overlap_carveout_{n}_ms"] = timed(overlap)
-                row[f"gemm_carveout_{n}_ms"] = timed(gemm)
+                row[f"overlap_carveout_{n}_ms"] = timed(overlap, True)
+                row[f"gemm_carveout_{n}_ms"] = timed(gemm, True)
             finally:
                 setter(None)
     return row
