@@ -12,7 +12,14 @@ half-batch's shapes and `--layers` layers:
     serial     both, one after the other on one stream (how a step runs them now);
     overlap    the GEMMs on one stream and the attention on another, joined at the end;
     overlap_carveout_N  the same with cuBLAS told to leave N SMs free
-               (`torch._C._set_sm_carveout_experimental`, where this torch has it).
+               (`torch._C._set_sm_carveout_experimental`, where this torch has it);
+    pair_serial  two halves' layers (q/k/v, attention, o, gate/up, down, in that order each),
+               one half after the other on one stream (a whole step's work as now);
+    pair_streams the two halves on two streams, each in its own order, nothing between them;
+    pair_alternate  the same with their attentions taking turns (half B's attention of a layer
+               after half A's, A's next after B's), so that one half's attention runs while
+               the other computes its GEMMs: the schedule an engine of two interleaved
+               half-steps would capture (and pair_alternate_carveout_N).
 Each is captured as one CUDA graph and its replays timed (median ms, `cascade_groups.timed`).
 The gain an engine could get from two interleaved half-steps is about serial - overlap per pair
 of halves.
@@ -100,9 +107,55 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
         gemm()
         main.wait_stream(side)
 
+    other = Step(cfg, doc_len, sizes, own, dtype, False, gen)
+    other_meta = other.meta(True, "tiles")
+    halves = [(step, meta, x, mid), (other, other_meta, x.clone(), mid.clone())]
+    pair_side = torch.cuda.Stream() if DEV == "cuda" else None
+
+    def half_layer(half, part: str, turn=None) -> None:
+        """One layer of one half: its q/k/v GEMM and attention ("before"; the attention after
+        event `turn` where given), or its o, gate/up and down GEMMs ("after")."""
+        s, m, hx, hmid = half
+        wqkv, wo, wgu, wdown = weights
+        if part == "before":
+            torch.nn.functional.linear(hx, wqkv)
+            if turn is not None:
+                torch.cuda.current_stream().wait_event(turn)
+            s.forward(m)
+        else:
+            torch.nn.functional.linear(hx, wo)
+            torch.nn.functional.linear(hx, wgu)
+            torch.nn.functional.linear(hmid, wdown)
+
+    def pair_serial() -> None:
+        for half in halves:
+            for _ in range(layers):
+                half_layer(half, "before")
+                half_layer(half, "after")
+
+    def pair(alternate: bool) -> None:
+        if pair_side is None:
+            pair_serial()
+            return
+        main = torch.cuda.current_stream()
+        pair_side.wait_stream(main)
+        streams = [main, pair_side]
+        done = [None, None]  # each half's last attention, as an event on its stream
+        for _ in range(layers):
+            for i, half in enumerate(halves):
+                with torch.cuda.stream(streams[i]):
+                    half_layer(half, "before", done[1 - i] if alternate else None)
+                    done[i] = torch.cuda.Event()
+                    done[i].record(streams[i])
+                    half_layer(half, "after")
+        main.wait_stream(pair_side)
+
     row = {"sizes": sizes, "rows": rows, "layers": layers,
            "gemm_ms": timed(gemm, True), "attention_ms": timed(attention, True),
-           "serial_ms": timed(serial, True), "overlap_ms": timed(overlap, True)}
+           "serial_ms": timed(serial, True), "overlap_ms": timed(overlap, True),
+           "pair_serial_ms": timed(pair_serial, True),
+           "pair_streams_ms": timed(lambda: pair(False), True),
+           "pair_alternate_ms": timed(lambda: pair(True), True)}
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
     if setter is not None and DEV == "cuda":
         for n in carveouts:
@@ -110,6 +163,7 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
             try:
                 row[f"overlap_carveout_{n}_ms"] = timed(overlap, True)
                 row[f"gemm_carveout_{n}_ms"] = timed(gemm, True)
+                row[f"pair_alternate_carveout_{n}_ms"] = timed(lambda: pair(True), True)
             finally:
                 setter(None)
     return row
@@ -142,7 +196,7 @@ def main() -> None:
         row["case"] = text
         rows.append(row)
         extra = " ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items()
-                         if k.startswith(("overlap_carveout", "gemm_carveout")))
+                         if k.startswith(("overlap_carveout", "gemm_carveout", "pair_")))
         print(f"{text:>10} rows {row['rows']:4d}: gemm {row['gemm_ms']:.3f} attention "
               f"{row['attention_ms']:.3f} serial {row['serial_ms']:.3f} overlap "
               f"{row['overlap_ms']:.3f} {extra}", flush=True)
