@@ -13,6 +13,8 @@ half-batch's shapes and `--layers` layers:
     overlap    the GEMMs on one stream and the attention on another, joined at the end;
     overlap_carveout_N  the same with cuBLAS told to leave N SMs free
                (`torch._C._set_sm_carveout_experimental`, where this torch has it);
+    whole        a step of both halves as the engine runs it now: each layer's GEMMs over all
+               rows at once (the weights read once), and one attention over both halves' groups;
     pair_serial  two halves' layers (q/k/v, attention, o, gate/up, down, in that order each),
                one half after the other on one stream (a whole step's work as now);
     pair_streams the two halves on two streams, each in its own order, nothing between them;
@@ -127,6 +129,20 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
             torch.nn.functional.linear(hx, wgu)
             torch.nn.functional.linear(hmid, wdown)
 
+    both = Step(cfg, doc_len, sizes + sizes, own, dtype, False, gen)  # one launch, all rows
+    both_meta = both.meta(True, "tiles")
+    both_x = torch.cat([x, x])
+    both_mid = torch.cat([mid, mid])
+
+    def whole() -> None:
+        wqkv, wo, wgu, wdown = weights
+        for _ in range(layers):
+            torch.nn.functional.linear(both_x, wqkv)
+            both.forward(both_meta)
+            torch.nn.functional.linear(both_x, wo)
+            torch.nn.functional.linear(both_x, wgu)
+            torch.nn.functional.linear(both_mid, wdown)
+
     def pair_serial() -> None:
         for half in halves:
             for _ in range(layers):
@@ -153,7 +169,7 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
     row = {"sizes": sizes, "rows": rows, "layers": layers,
            "gemm_ms": timed(gemm, True), "attention_ms": timed(attention, True),
            "serial_ms": timed(serial, True), "overlap_ms": timed(overlap, True),
-           "pair_serial_ms": timed(pair_serial, True),
+           "whole_ms": timed(whole, True), "pair_serial_ms": timed(pair_serial, True),
            "pair_streams_ms": timed(lambda: pair(False), True),
            "pair_alternate_ms": timed(lambda: pair(True), True)}
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
@@ -196,7 +212,7 @@ def main() -> None:
         row["case"] = text
         rows.append(row)
         extra = " ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items()
-                         if k.startswith(("overlap_carveout", "gemm_carveout", "pair_")))
+                         if k.startswith(("overlap_carveout", "gemm_carveout", "whole", "pair_")))
         print(f"{text:>10} rows {row['rows']:4d}: gemm {row['gemm_ms']:.3f} attention "
               f"{row['attention_ms']:.3f} serial {row['serial_ms']:.3f} overlap "
               f"{row['overlap_ms']:.3f} {extra}", flush=True)
