@@ -164,10 +164,8 @@ def profile_replay(engine: Engine, repeats: int = 5) -> dict:
         return {}
     # the steady step: the largest batch, and of those the fewest cascade groups (a padded
     # batch adds a group of dummies)
-    # (a graph's key holds each part's: one, or a paired step's two halves)
     key, step = max(graphs.graphs.items(),
-                    key=lambda kv: (sum(part[1] for part in kv[0]),
-                                    -sum(part[5][0] if part[5] else 0 for part in kv[0])))
+                    key=lambda kv: (kv[0][1], -(kv[0][5][0] if kv[0][5] else 0)))
     step.graph.replay()
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -136,12 +136,6 @@ class EngineConfig:
     # Cascade decode (Triton backend, GPU): the document product runs on a side stream beside
     # the suffix decode, one bound by tensor cores and the other by memory. False: in sequence.
     overlap_cascade: bool = True
-    # Cascade decode steps of at least this many requests run as two halves whose layers
-    # alternate on two streams: one half's attention (memory-bound) beside the other's
-    # projections and MLP (compute-bound at hundreds of rows), at the cost of reading the
-    # weights twice (ModelRunner.run_pair; a second attention backend). 0: never; None: the
-    # device's default (engine/setup.py, PAIRED_DECODE_ROWS on a GPU, 0 on the CPU).
-    paired_decode_rows: int | None = None
     # The tokens that every question of a document opens with (the template's "Question: ",
     # a shared instruction) join the document's cached prefix: prefilled once, read once per
     # step by cascade and parallel, instead of once per question. False keeps them per question.
@@ -166,10 +160,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.paired_decode_rows is not None and (not isinstance(self.paired_decode_rows, int)
-                                                    or self.paired_decode_rows < 0):
-            raise ValueError(f"EngineConfig.paired_decode_rows must be None or an integer >= 0 "
-                             f"(0: never), got {self.paired_decode_rows!r}")
         if self.max_wide_requests is not None and (
                 not isinstance(self.max_wide_requests, int)
                 or self.max_wide_requests < self.max_batch_requests):

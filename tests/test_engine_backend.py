@@ -13,7 +13,7 @@ import torch
 
 from ppqa.engine.runtime.kv_cache import KVPool, ReqToTokenTable
 from ppqa.engine.runtime.layout import StepLayout
-from ppqa.engine.runtime.runner import ModelRunner, StepInputs, split_decode
+from ppqa.engine.runtime.runner import ModelRunner, StepInputs
 from ppqa.engine.attention.torch_backend import TorchBackend, merge_two_states
 
 CPU = torch.device("cpu")
@@ -132,49 +132,6 @@ def test_decode_and_cascade_match_reference_and_each_other(heads: int, kv_heads:
         expected = reference(q[b], keys, values, torch.ones(len(keys), dtype=torch.bool), DIM ** -0.5)
         close(outs[False][b], expected)
         close(outs[True][b], expected)
-
-
-@pytest.mark.parametrize("at", [1, 2])
-def test_a_split_cascade_step_attends_as_the_whole(at: int) -> None:
-    """split_decode at 1 cuts document A's group (rows 1 and 2) in two, each half with a group
-    of its own on A; at 2 it falls between the groups. Each half's attention, through a
-    backend of its own, equals the whole step's rows; the halves' groups and logit rows are
-    rebased to their own requests."""
-    s = Setup(6, 2, seed=31)
-    lens = {1: 37 + 5, 2: 37 + 11, 3: 20 + 2}
-    for row, n in lens.items():
-        s.pool.slot_sid[s.table.table[row, len(s.docs[row]):n + 1].long()] = 0
-    rows = [1, 2, 3]
-    step = StepInputs(kind="decode", input_ids=torch.tensor([5, 6, 7]),
-                      layout=StepLayout(torch.tensor([lens[r] for r in rows]),
-                                        torch.zeros(3, dtype=torch.int32),
-                                        torch.tensor([lens[r] for r in rows])),
-                      qo_indptr=torch.arange(4), req_rows=torch.tensor(rows),
-                      kv_start=torch.tensor([37, 37, 20]),
-                      prefix_lens=torch.tensor([lens[r] for r in rows]),
-                      logit_indices=torch.arange(3), decode=True,
-                      cascade_groups=[(0, 2, 37, -1), (2, 3, 20, -1)])
-    first, second = split_decode(step, at)
-    assert first.input_ids.tolist() + second.input_ids.tolist() == [5, 6, 7]
-    assert first.logit_indices.tolist() == list(range(at))
-    assert second.logit_indices.tolist() == list(range(3 - at))
-    if at == 1:
-        assert first.cascade_groups == [(0, 1, 37, -1)]
-        assert second.cascade_groups == [(0, 1, 37, -1), (1, 2, 20, -1)]
-    else:
-        assert first.cascade_groups == [(0, 2, 37, -1)]
-        assert second.cascade_groups == [(0, 1, 20, -1)]
-    q, k, v = s.new_qkv(3)
-    _, meta = s.runner.prepare(step)
-    whole = s.backend.forward(0, q, k, v, meta)
-    other = TorchBackend(s.pool, 6, 2, DIM, DIM ** -0.5)
-    parts = []
-    for half, backend, rows_ in ((first, s.backend, slice(0, at)), (second, other, slice(at, 3))):
-        _, half_meta = s.runner.prepare(half, backend=backend)
-        parts.append(backend.forward(0, q[rows_], k[rows_], v[rows_], half_meta))
-    close(torch.cat(parts), whole.double())
-    with pytest.raises(ValueError, match="splits a decode step"):
-        split_decode(step, 3)
 
 
 def test_padded_cascade_step_counts_only_groups_with_a_document() -> None:

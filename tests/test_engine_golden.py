@@ -212,21 +212,3 @@ def test_shared_opening_is_prefilled_once_and_reuses_the_cached_document(tmp_pat
     assert third.prefilled_tokens == suffixes - len(questions) * opening
     apart = tiny_engine("tiny-mha", share_question_prefix=False)
     assert apart.run(many, mode="cascade").prefilled_tokens == 1 + len(doc) + suffixes
-
-
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_paired_decode_steps_match_stock(cuda_graphs: bool, tmp_path: Path) -> None:
-    """paired_decode_rows: cascade decode steps run as two halves (the second through a
-    backend of its own), split at the middle request wherever it falls, inside a document's
-    group or between groups, padded or not: every token as stock's."""
-    requests = several_documents(tmp_path, seed=21)
-    reference = stock_reference(requests)
-    eng = tiny_engine("tiny-gqa", paired_decode_rows=2, cuda_graphs=cuda_graphs)
-    eng.tokenizer.eos_token_ids = [7]
-    got, _ = answers_of(eng, requests, mode="cascade")
-    for key, answer in reference.items():
-        assert got[key].token_ids == answer.token_ids, f"paired: {key}"
-    assert eng.parts.runner.paired_steps > 0
-    stock_steps = eng.parts.runner.paired_steps
-    answers_of(eng, requests, mode="stock")  # stock steps have no groups: never paired
-    assert eng.parts.runner.paired_steps == stock_steps

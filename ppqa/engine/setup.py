@@ -32,11 +32,6 @@ from ppqa.engine.runtime.runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Cascade decode steps of at least this many requests run as two halves (paired_decode_rows):
-# half of 512 rows still keeps a GEMM near the matrix units' ridge, where a step of 256 split in
-# two would read the weights twice for GEMMs bound by them.
-PAIRED_DECODE_ROWS = 512
-
 
 @dataclass
 class EngineParts:
@@ -138,19 +133,11 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
     row_len = config.max_row_tokens or 4 * mc.max_position_embeddings
     table = ReqToTokenTable(config.wide_requests, min(num_slots, row_len), dev)
     backend_name, backend = _make_backend(config, dev, pool, model)
-    paired = config.paired_decode_rows
-    if paired is None:
-        paired = PAIRED_DECODE_ROWS if backend_name == "triton" else 0
-    if backend_name == "flashinfer" or config.tensor_parallel > 1:
-        paired = 0  # a host plan per step; collectives inside layers on one stream
-    # The second half of a paired decode step plans and splits on a backend of its own.
-    pair_backend = _make_backend(config, dev, pool, model)[1] if paired else None
     # Graphs need a backend that never syncs with the host inside a step: the Triton one.
     graphs = (dev.type == "cuda" and backend_name == "triton" if config.cuda_graphs is None
               else config.cuda_graphs)
     config = dataclasses.replace(config, device=str(dev), dtype=dtype_name,
                                  attention_backend=backend_name, cuda_graphs=graphs,
-                                 paired_decode_rows=paired,
                                  max_prefill_tokens=config.max_prefill_tokens
                                  or default_prefill_tokens(dev.type))
     if dev.type == "cuda":
@@ -163,7 +150,5 @@ def build_parts(config: EngineConfig | None, device: str | None, dtype: object,
                        model=model, tokenizer=loaded.tokenizer, pool=pool, table=table,
                        docs=DocumentCache(pool.allocator, pool.copy_slots), backend=backend,
                        runner=ModelRunner(model, pool, table, backend, dev,
-                                          cuda_graphs=graphs and dev.type == "cuda",
-                                          pair_backend=pair_backend,
-                                          pair_rows=paired),
+                                          cuda_graphs=graphs and dev.type == "cuda"),
                        lockstep=lockstep, first_use=libraries)

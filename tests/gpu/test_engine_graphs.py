@@ -96,40 +96,6 @@ def test_steps_mixing_stock_and_cascade_replay_like_eager():
     assert len(got[True]) == len(requests)
 
 
-def test_paired_steps_on_two_streams_replay_like_unpaired_eager():
-    """paired_decode_rows: cascade steps (and steps mixing cascade and stock requests) run as
-    two halves on two streams whose attentions take turns, eagerly and from graphs; every
-    token is the unpaired eager run's (fp32), as requests finish and the halves' mix changes."""
-    from ppqa import QuestionRequest
-
-    docs = ["The harbor of Velm opened in 1901; its three piers face north. " * 8,
-            "Orrin is a river town with two bridges and a market on Sundays. " * 5]
-    requests = [QuestionRequest((d, i), doc, f"Which pier is number {i}?",
-                                SamplingParams(max_new_tokens=20 + 7 * i, ignore_eos=True))
-                for d, doc in enumerate(docs) for i in range(7)]
-    stock = [QuestionRequest(("s", i), docs[1], f"Which bridge is number {i}?",
-                             SamplingParams(max_new_tokens=25 + 11 * i, ignore_eos=True))
-             for i in range(3)]
-    got = {}
-    for paired, graphs in ((0, False), (2, False), (2, True)):
-        eng = Engine("dummy:tiny-gqa", device="cuda", dtype="float32",
-                     config=EngineConfig(cuda_graphs=graphs, mem_fraction=0.05,
-                                         paired_decode_rows=paired))
-        out = {}
-        session = eng.session(on_answer=lambda r, a, out=out: out.__setitem__(r.key, a.token_ids))
-        session.submit(requests, mode="cascade")
-        session.submit(stock, mode="stock")
-        session.drain()
-        session.close()
-        got[paired, graphs] = out
-        assert (eng.parts.runner.paired_steps > 0) == bool(paired)
-        if graphs:
-            assert eng.captured_graphs > 0
-    assert len(got[0, False]) == len(requests) + len(stock)
-    assert got[2, False] == got[0, False]
-    assert got[2, True] == got[0, False]
-
-
 def _engine(model: str, graphs: bool) -> Engine:
     return Engine(f"dummy:{model}", device="cuda", dtype="float32",
                   config=EngineConfig(cuda_graphs=graphs, mem_fraction=0.05))

@@ -62,33 +62,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Turn:
-    """One half's place in the alternation of a paired step's attentions (`forward_pair`): its
-    attention of a layer waits for the other half's attention before it (`wait`), and marks its
-    own as done (`done`) for the other to wait on. Events are recorded on the halves' streams,
-    so under CUDA graph capture they become the graph's edges."""
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.stream = stream
-        self.last: torch.cuda.Event | None = None  # this half's latest attention
-        self.other: Turn | None = None
-
-    @staticmethod
-    def ring(streams: list[torch.cuda.Stream]) -> list[Turn]:
-        """Turns for two halves: the first half's attention goes first in every layer."""
-        first, second = Turn(streams[0]), Turn(streams[1])
-        first.other, second.other = second, first
-        return [first, second]
-
-    def wait(self) -> None:
-        if self.other.last is not None:
-            self.stream.wait_event(self.other.last)
-
-    def done(self) -> None:
-        self.last = torch.cuda.Event()
-        self.last.record(self.stream)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype,
                  fused_kernels: bool) -> None:
@@ -104,10 +77,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: ForwardMetadata, backend: AttentionBackend, turn: Turn | None = None
-                ) -> torch.Tensor:
-        """With `turn` (a half of a paired step), the attention waits for the other half's
-        and is marked done for it; the projections around it do not wait."""
+                meta: ForwardMetadata, backend: AttentionBackend) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -117,11 +87,7 @@ class LlamaAttention(nn.Module):
             q, k = fused.apply_rope(q, k, positions, rope.cos, rope.sin)
         else:
             q, k = rope(positions, q, k)
-        if turn is not None:
-            turn.wait()
         out = backend.forward(self.layer, q, k, v, meta)
-        if turn is not None:
-            turn.done()
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -154,15 +120,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, fused_kernels)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rope: RotaryEmbedding, meta: ForwardMetadata, backend: AttentionBackend,
-                turn: Turn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: RotaryEmbedding, meta: ForwardMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream entering the layer is hidden + residual (the first layer gets residual None:
         all of it is in hidden); returns the pair whose sum is the stream leaving it."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, rope, meta, backend, turn)
+        hidden = self.self_attn(hidden, positions, rope, meta, backend)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -196,39 +162,6 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, self.rope, meta, backend)
         return hidden + residual
-
-    def forward_pair(self, halves: list[tuple[torch.Tensor, torch.Tensor, ForwardMetadata,
-                                              AttentionBackend]],
-                     side: torch.cuda.Stream | None) -> list[torch.Tensor]:
-        """Two halves of one decode step, each (input_ids, positions, meta, backend), through
-        every layer; returns each half's hidden states as `forward` would.
-
-        On a GPU (`side`: a stream for the second half; the first runs on the current one) each
-        half runs on its own stream and their attentions take turns, layer by layer (`Turn`): while one
-        half's attention reads its K/V (memory-bound), the other computes its projections and
-        MLP (compute-bound at a few hundred rows). Each half needs a backend of its own (its
-        own plan and partial-state scratch). The side stream is joined back before returning.
-        Without a side stream the halves run one after the other, each as `forward`."""
-        if side is None:
-            return [self(ids, pos, meta, backend) for ids, pos, meta, backend in halves]
-        main = torch.cuda.current_stream(side.device)
-        streams = [main, side]
-        side.wait_stream(main)
-        turns = Turn.ring(streams)
-        states: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for (ids, *_), s in zip(halves, streams):
-            with torch.cuda.stream(s):
-                states.append((self.embed_tokens(ids), None))
-        for layer in self.layers:
-            for i, (_, pos, meta, backend) in enumerate(halves):
-                with torch.cuda.stream(streams[i]):
-                    states[i] = layer(*states[i], pos, self.rope, meta, backend, turns[i])
-        out = []
-        for (hidden, residual), s in zip(states, streams):
-            with torch.cuda.stream(s):
-                out.append(hidden + residual)
-        main.wait_stream(side)
-        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] -> float32 logits [R, vocab]."""

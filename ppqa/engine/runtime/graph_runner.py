@@ -38,9 +38,8 @@ def length_bucket(n: int) -> int:
 @dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
-    # Static (input_ids, meta) of each part: one, or a paired step's two halves; the meta's
-    # host maxima set to the bucket's bounds.
-    parts: list[tuple[torch.Tensor, ForwardMetadata]]
+    input_ids: torch.Tensor
+    meta: ForwardMetadata  # static tensors; host maxima set to the bucket's bounds
     logits: torch.Tensor
 
 
@@ -59,12 +58,8 @@ def _fields(meta: ForwardMetadata) -> list[str]:
 class GraphCache:
     """Captured decode steps of one model runner, keyed by step shape."""
 
-    def __init__(self, model, backend, device: torch.device, pair_backend=None,
-                 side: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, model, backend, device: torch.device) -> None:
         self.model, self.backend, self.device = model, backend, device
-        # Paired steps (`run_pair`): the second half's backend and stream.
-        self.backends = [backend, pair_backend]
-        self.pair_side = side
         self.graphs: dict[tuple, CapturedStep] = {}
         self.seen: dict[tuple, int] = {}  # uses of shapes not captured yet
         self.pool = torch.cuda.graph_pool_handle()
@@ -96,34 +91,23 @@ class GraphCache:
         """The step's logits from its graph; None (run it eagerly) while its shape has been
         seen fewer than CAPTURE_AFTER times: a capture costs as much as many eager steps, and
         a long session's passing shapes (a draining batch's tail) are used only a few times."""
-        return self._run([(input_ids, meta)])
-
-    def run_pair(self, halves: list[tuple[torch.Tensor, ForwardMetadata]]
-                 ) -> torch.Tensor | None:
-        """`run` for the two halves of a paired step (`ModelRunner.run_pair`), keyed by both
-        halves' shapes: the logits of both, in the step's order."""
-        return self._run(halves)
-
-    def _run(self, parts: list[tuple[torch.Tensor, ForwardMetadata]]) -> torch.Tensor | None:
-        key = tuple(self.key(meta) for _, meta in parts)
+        key = self.key(meta)
         step = self.graphs.get(key)
         if step is None:
             self.seen[key] = self.seen.get(key, 0) + 1
             if self.seen[key] < CAPTURE_AFTER:
                 return None
-            step = self.graphs[key] = self._capture(key, parts)
-        for (static_ids, static), (input_ids, meta) in zip(step.parts, parts):
-            static_ids.copy_(input_ids)
-            for name in _fields(meta):
-                getattr(static, name).copy_(getattr(meta, name))
-            if meta.cascade is not None:
-                _copy_groups(static.cascade, meta.cascade)
+            step = self.graphs[key] = self._capture(key, input_ids, meta)
+        step.input_ids.copy_(input_ids)
+        for name in _fields(meta):
+            getattr(step.meta, name).copy_(getattr(meta, name))
+        if meta.cascade is not None:
+            _copy_groups(step.meta.cascade, meta.cascade)
         step.graph.replay()
         return step.logits
 
     def _static_meta(self, key: tuple, meta: ForwardMetadata) -> ForwardMetadata:
-        """A copy of `meta` in tensors the graph owns, with host maxima at the bucket's bounds
-        (`key`: this part's)."""
+        """A copy of `meta` in tensors the graph owns, with host maxima at the bucket's bounds."""
         bound = key[4]
         fields = {name: getattr(meta, name).clone() for name in _fields(meta)}
         cascade = None
@@ -143,31 +127,22 @@ class GraphCache:
         return dataclasses.replace(meta, **fields, cascade=cascade,
                                    max_prefix_len=bound - meta.max_extend_len)
 
-    def _forward(self, parts: list[tuple[torch.Tensor, ForwardMetadata]]) -> torch.Tensor:
-        for (_, meta), backend in zip(parts, self.backends):
-            init = getattr(backend, "init_forward_metadata", None)
-            if init is not None:
-                init(meta)
-        if len(parts) == 1:
-            input_ids, meta = parts[0]
-            hidden = self.model(input_ids, meta.positions, meta, self.backend)
-            return self.model.compute_logits(hidden[meta.logit_indices])
-        halves = self.model.forward_pair(
-            [(ids, meta.positions, meta, backend)
-             for (ids, meta), backend in zip(parts, self.backends)], self.pair_side)
-        return self.model.compute_logits(torch.cat(
-            [hidden[meta.logit_indices] for hidden, (_, meta) in zip(halves, parts)]))
+    def _forward(self, input_ids: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        init = getattr(self.backend, "init_forward_metadata", None)
+        if init is not None:
+            init(meta)
+        hidden = self.model(input_ids, meta.positions, meta, self.backend)
+        return self.model.compute_logits(hidden[meta.logit_indices])
 
-    def _capture(self, key: tuple, parts: list[tuple[torch.Tensor, ForwardMetadata]]
-                 ) -> CapturedStep:
+    def _capture(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMetadata) -> CapturedStep:
         """Capture on the cache's side stream, queued behind the device's work without waiting
         for it. (`torch.cuda.graph` synchronizes the device and empties the allocator's device
         and pinned-host caches on entering: a capture mid-run idled the GPU for its whole host
         time, and the steps after it pinned their copies afresh.) Where that capture fails (the
         graph pool could not grow without freeing cached blocks, which synchronizes), the step
         is captured again through `torch.cuda.graph`."""
-        static = [(ids.clone(), self._static_meta(part_key, meta))
-                  for part_key, (ids, meta) in zip(key, parts)]
+        static_ids = input_ids.clone()
+        static_meta = self._static_meta(key, meta)
         current = torch.cuda.current_stream(self.device)
         if self.stream is None:  # one stream for every capture: its cached blocks are reused
             self.stream = torch.cuda.Stream(self.device)
@@ -175,22 +150,22 @@ class GraphCache:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             # The warm-up writes this step's K/V exactly as the replay that follows will.
-            self._forward(static)
+            self._forward(static_ids, static_meta)
         try:
-            graph, logits = self._record(stream, static)
+            graph, logits = self._record(stream, static_ids, static_meta)
         except RuntimeError:
             # A capture that failed inside CUDA may leave the allocator routing this stream's
             # allocations to the graph pool: later captures take a new stream.
             self.stream = None
             graph = torch.cuda.CUDAGraph()  # its entry synchronizes: the warm-up is done
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(static)
+                logits = self._forward(static_ids, static_meta)
             self.sync_captures += 1
         current.wait_stream(stream)
-        return CapturedStep(graph, static, logits)
+        return CapturedStep(graph, static_ids, static_meta, logits)
 
-    def _record(self, stream: torch.cuda.Stream, parts: list[tuple[torch.Tensor, ForwardMetadata]]
-                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(self, stream: torch.cuda.Stream, input_ids: torch.Tensor,
+                meta: ForwardMetadata) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """(graph, static logits) of one forward captured on `stream`. Thread-local capture:
         other threads' CUDA calls meanwhile (a pinned buffer for the grammar's masks) are not
         the capture's concern."""
@@ -198,7 +173,7 @@ class GraphCache:
         with torch.cuda.stream(stream):
             graph.capture_begin(self.pool, capture_error_mode="thread_local")
             try:
-                logits = self._forward(parts)
+                logits = self._forward(input_ids, meta)
             except BaseException:
                 try:
                     graph.capture_end()

@@ -82,70 +82,21 @@ class StepInputs:
         return self.input_ids.shape[0]
 
 
-def split_decode(step: StepInputs, at: int) -> tuple[StepInputs, StepInputs]:
-    """A decode step of one token per request as two: requests [0, at) and [at, B), each with
-    its own cascade groups (a group across `at` becomes one in each half, its document read by
-    both) and logit rows; input_src keeps pointing into the previous step's whole batch."""
-    if step.kind != "decode" or step.lead is not None or not 0 < at < step.req_rows.shape[0]:
-        raise ValueError(f"split_decode splits a decode step of one token a request between "
-                         f"requests, not at {at} of {step.req_rows.shape[0]}")
-    logits = step.logit_indices
-    halves = []
-    for a, b in ((0, at), (at, step.req_rows.shape[0])):
-        groups = None
-        if step.cascade_groups is not None:
-            groups = [(max(first, a) - a, min(end, b) - a, doc_len, start)
-                      for first, end, doc_len, start in step.cascade_groups
-                      if first < b and end > a]
-        rows = logits[(logits >= a) & (logits < b)] - a
-
-        def part(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[a:b]
-        halves.append(StepInputs(
-            kind="decode", input_ids=step.input_ids[a:b],
-            layout=StepLayout(step.layout.positions[a:b], step.layout.q_sid[a:b],
-                              step.layout.row_pos[a:b]),
-            qo_indptr=torch.arange(b - a + 1), req_rows=step.req_rows[a:b],
-            kv_start=step.kv_start[a:b], prefix_lens=step.prefix_lens[a:b],
-            logit_indices=rows, cascade_groups=groups, decode=step.decode,
-            input_src=part(step.input_src), doc_start=part(step.doc_start),
-            doc_len=part(step.doc_len)))
-    return halves[0], halves[1]
-
-
 class ModelRunner:
-    """`pair_backend`, `pair_rows`: cascade decode steps of at least `pair_rows` requests run
-    as two halves whose attentions take turns (`run_pair`), the second half's attention through
-    `pair_backend` (a second instance of the step's backend, for its own plan and scratch)."""
-
     def __init__(self, model: LlamaModel, pool: KVPool, table: ReqToTokenTable, backend,
-                 device: torch.device, cuda_graphs: bool = False, pair_backend=None,
-                 pair_rows: int = 0) -> None:
+                 device: torch.device, cuda_graphs: bool = False) -> None:
         self.model, self.pool, self.table, self.backend = model, pool, table, backend
         self.device = device
-        self.pair_backend, self.pair_rows = pair_backend, pair_rows
-        self.paired_steps = 0  # steps `run_pair` ran, for tests and profiles
-        self._side = None  # the second half's stream of a paired step (a GPU only)
-        if pair_backend is not None and device.type == "cuda":
-            self._side = torch.cuda.Stream(device)
         self.graphs = None
         if cuda_graphs:
             from ppqa.engine.runtime.graph_runner import GraphCache
 
-            self.graphs = GraphCache(model, backend, device, pair_backend=pair_backend,
-                                     side=self._side)
+            self.graphs = GraphCache(model, backend, device)
 
-    def pairs(self, step: StepInputs) -> bool:
-        """Whether `run` takes this step as two halves."""
-        return (self.pair_backend is not None and step.decode and step.kind == "decode"
-                and step.cascade_groups is not None and step.lead is None
-                and step.req_rows.shape[0] >= max(self.pair_rows, 2))
-
-    def prepare(self, step: StepInputs, prev_tokens: torch.Tensor | None = None,
-                backend=None) -> tuple[torch.Tensor, ForwardMetadata]:
+    def prepare(self, step: StepInputs, prev_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, ForwardMetadata]:
         """(input_ids on the device, ForwardMetadata); also stamps slot_sid for the new slots.
-        prev_tokens: the previous step's sampled tokens, which step.input_src points into.
-        `backend` plans the step's launches (None: the runner's)."""
+        prev_tokens: the previous step's sampled tokens, which step.input_src points into."""
         batch = step.req_rows.shape[0]
         token_req = torch.repeat_interleave(torch.arange(batch), step.qo_indptr.diff())
         parts = [step.input_ids, step.layout.positions, step.layout.q_sid.to(torch.int64),
@@ -205,7 +156,7 @@ class ModelRunner:
             cascade=cascade_meta, doc_start=doc_start, doc_len=doc_len,
             host_prefix_lens=step.prefix_lens, plain_causal=step.plain_causal,
             doc_prior=step.doc_prior)
-        init = getattr(backend or self.backend, "init_forward_metadata", None)
+        init = getattr(self.backend, "init_forward_metadata", None)
         if init is not None:
             init(meta)
         return input_ids, meta
@@ -216,8 +167,6 @@ class ModelRunner:
         Nothing here waits for the device."""
         if step.lead is not None:
             return self._run_with_lead(step, prev_tokens)
-        if self.pairs(step):
-            return self.run_pair(step, prev_tokens)
         input_ids, meta = self.prepare(step, prev_tokens)
         if self.graphs is not None and step.decode:
             logits = self.graphs.run(input_ids, meta)
@@ -227,25 +176,6 @@ class ModelRunner:
         if meta.logit_indices.shape[0] == 0:
             return None
         return self.model.compute_logits(hidden[meta.logit_indices])
-
-    def run_pair(self, step: StepInputs, prev_tokens: torch.Tensor | None = None
-                 ) -> torch.Tensor | None:
-        """`run` for a decode step split at its middle request (`split_decode`): the halves'
-        layers on two streams, their attentions taking turns (`LlamaModel.forward_pair`), the
-        logits of both halves in the step's order. A pair costs a second read of the weights
-        and buys a half's attention (memory-bound) running beside the other's matrix products."""
-        halves = split_decode(step, step.req_rows.shape[0] // 2)
-        self.paired_steps += 1
-        parts = [(*self.prepare(half, prev_tokens, backend), backend)
-                 for half, backend in zip(halves, (self.backend, self.pair_backend))]
-        if self.graphs is not None:
-            logits = self.graphs.run_pair([(ids, meta) for ids, meta, _ in parts])
-            if logits is not None:
-                return logits
-        hidden = self.model.forward_pair([(ids, meta.positions, meta, backend)
-                                          for ids, meta, backend in parts], self._side)
-        rows = torch.cat([h[meta.logit_indices] for h, (_, meta, _) in zip(hidden, parts)])
-        return None if rows.shape[0] == 0 else self.model.compute_logits(rows)
 
     def _run_with_lead(self, step: StepInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         """`run` for a step with a lead chunk: both prepared (the lead first, so that its slots'
