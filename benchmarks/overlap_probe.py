@@ -23,8 +23,9 @@ half-batch's shapes and `--layers` layers:
                the other computes its GEMMs: the schedule an engine of two interleaved
                half-steps would capture (and pair_alternate_carveout_N).
 Each is captured as one CUDA graph and its replays timed (median ms, `cascade_groups.timed`).
-The gain an engine could get from two interleaved half-steps is about serial - overlap per pair
-of halves.
+What an engine of two interleaved half-steps would gain is whole - pair_alternate: on an H100
+it is negative, the GEMMs beside the attention at 0.96-0.98x of serial and the pair at 1.09x the
+whole step (results/h100/overlap_probe_s45c1.json).
 
     python3 benchmarks/overlap_probe.py --model codellama-7b --doc-tokens 16384 \
         --cases 256;128x2 --own 95 --out overlap_probe.json
