@@ -65,15 +65,18 @@ def layer_weights(cfg, dtype, gen: torch.Generator) -> list[torch.Tensor]:
     return [(torch.randn(s, generator=gen) * 0.02).to(dtype).to(DEV) for s in shapes]
 
 
-def gemms(x: torch.Tensor, mid: torch.Tensor, weights: list[torch.Tensor], layers: int) -> None:
-    """The layers' GEMMs: `x` [rows, hidden] through q/k/v, o and gate/up, `mid` [rows,
+def before_attention(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    """One layer's GEMM before its attention: `x` [rows, hidden] through q/k/v."""
+    torch.nn.functional.linear(x, weights[0])
+
+
+def after_attention(x: torch.Tensor, mid: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    """One layer's GEMMs after its attention: `x` through o and gate/up, `mid` [rows,
     intermediate] through down; outputs discarded (the shapes of a forward)."""
-    wqkv, wo, wgu, wdown = weights
-    for _ in range(layers):
-        torch.nn.functional.linear(x, wqkv)
-        torch.nn.functional.linear(x, wo)
-        torch.nn.functional.linear(x, wgu)
-        torch.nn.functional.linear(mid, wdown)
+    _, wo, wgu, wdown = weights
+    torch.nn.functional.linear(x, wo)
+    torch.nn.functional.linear(x, wgu)
+    torch.nn.functional.linear(mid, wdown)
 
 
 def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
@@ -91,7 +94,9 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
             step.forward(meta)
 
     def gemm() -> None:
-        gemms(x, mid, weights, layers)
+        for _ in range(layers):
+            before_attention(x, weights)
+            after_attention(x, mid, weights)
 
     def serial() -> None:
         gemm()
@@ -113,22 +118,18 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
     other = Step(cfg, doc_len, sizes, own, dtype, False, gen)
     other_meta = other.meta(True, "tiles")
     halves = [(step, meta, x, mid), (other, other_meta, x.clone(), mid.clone())]
-    pair_side = torch.cuda.Stream() if DEV == "cuda" else None
 
     def half_layer(half, part: str, turn=None) -> None:
         """One layer of one half: its q/k/v GEMM and attention ("before"; the attention after
         event `turn` where given), or its o, gate/up and down GEMMs ("after")."""
         s, m, hx, hmid = half
-        wqkv, wo, wgu, wdown = weights
         if part == "before":
-            torch.nn.functional.linear(hx, wqkv)
+            before_attention(hx, weights)
             if turn is not None:
                 torch.cuda.current_stream().wait_event(turn)
             s.forward(m)
         else:
-            torch.nn.functional.linear(hx, wo)
-            torch.nn.functional.linear(hx, wgu)
-            torch.nn.functional.linear(hmid, wdown)
+            after_attention(hx, hmid, weights)
 
     both = Step(cfg, doc_len, sizes + sizes, own, dtype, False, gen)  # one launch, all rows
     both_meta = both.meta(True, "tiles")
@@ -136,13 +137,10 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
     both_mid = torch.cat([mid, mid])
 
     def whole() -> None:
-        wqkv, wo, wgu, wdown = weights
         for _ in range(layers):
-            torch.nn.functional.linear(both_x, wqkv)
+            before_attention(both_x, weights)
             both.forward(both_meta)
-            torch.nn.functional.linear(both_x, wo)
-            torch.nn.functional.linear(both_x, wgu)
-            torch.nn.functional.linear(both_mid, wdown)
+            after_attention(both_x, both_mid, weights)
 
     def pair_serial() -> None:
         for half in halves:
@@ -151,12 +149,12 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
                 half_layer(half, "after")
 
     def pair(alternate: bool) -> None:
-        if pair_side is None:
+        if side is None:
             pair_serial()
             return
         main = torch.cuda.current_stream()
-        pair_side.wait_stream(main)
-        streams = [main, pair_side]
+        side.wait_stream(main)
+        streams = [main, side]
         done = [None, None]  # each half's last attention, as an event on its stream
         for _ in range(layers):
             for i, half in enumerate(halves):
@@ -165,7 +163,7 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, layers: int, dtype,
                     done[i] = torch.cuda.Event()
                     done[i].record(streams[i])
                     half_layer(half, "after")
-        main.wait_stream(pair_side)
+        main.wait_stream(side)
 
     row = {"sizes": sizes, "rows": rows, "layers": layers,
            "gemm_ms": timed(gemm, True), "attention_ms": timed(attention, True),
