@@ -40,9 +40,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 
-from ppqa import Engine, QuestionRequest, SamplingParams
+from ppqa import Engine
 from ppqa.config import EngineConfig
-from ppqa.bench.workloads import get_workload, make_jobs
+from ppqa.bench.workloads import get_workload, make_jobs, question_requests
 from ppqa.engine.runtime.graph_runner import GraphCache
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -126,12 +126,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
 
     extra: dict = {}
     if path == "session":
-        requests = []
-        for job in jobs.jobs:
-            sampling = SamplingParams(max_new_tokens=job.max_new_tokens, ignore_eos=True)
-            requests += [QuestionRequest((job.name, qid), jobs.documents[job.document], q,
-                                         sampling, template=job.template)
-                         for qid, q in job.questions]
+        requests = question_requests(jobs)
         session = instrument(engine.session(
             on_answer=lambda req, ans: answers.append(time.perf_counter())))
         sync(engine)

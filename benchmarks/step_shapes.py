@@ -4,8 +4,8 @@ The engine's session and scheduler (admission by rows and KV, a cascade group's 
 chunked prefill, requests leaving as their answers end) decide each decode step's requests,
 padded rows and documents from the workload's shape alone: question counts, answer budgets and
 the order of arrival, not the model or the document's words. So a tiny dummy model on the CPU,
-with each document's text cut to 1/`--scale` of its tokens, makes the steps the GPU would. For
-`loogle` at 8 documents it gives the 399 steps, mean rows and padding histogram of the H100's
+with each document's text cut to 1/`--scale` of its tokens and each question to 20
+characters, makes the steps the GPU would. For `loogle` at 8 documents it gives the 399 steps, mean rows and padding histogram of the H100's
 profiled worker pass (results/h100/gprof_loogle_auto_s45c2.json).
 
 Per step: requests, padded rows (the graph's batch), documents. The summary adds row-steps
@@ -20,25 +20,26 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import random
 import time
 from pathlib import Path
 
-from ppqa import Engine, EngineConfig, QuestionRequest, SamplingParams
-from ppqa.bench.workloads import get_workload, make_jobs
+from ppqa import Engine, EngineConfig, QuestionRequest
+from ppqa.bench.workloads import get_workload, make_jobs, question_requests
 from ppqa.engine.loading.bpe import bpe_tokenizer
 
 
 def workload_requests(name: str, max_docs: int | None, scale: int) -> list[QuestionRequest]:
-    """The workload's questions (ids, budgets, order) over documents of 1/scale its length."""
+    """The workload's questions (ids, budgets, order) over documents of 1/scale its length,
+    each question cut to its first 20 characters."""
     drawn = make_jobs(get_workload(name), bpe_tokenizer(), max_docs)
     rng = random.Random(0)
     docs = ["".join(rng.choice("abcdefgh ") for _ in range(max(1, n // scale)))
             for n in drawn.doc_tokens]
-    return [QuestionRequest((job.document, qid), docs[job.document], text[:20],
-                            SamplingParams(max_new_tokens=job.max_new_tokens, ignore_eos=True))
-            for job in drawn.jobs for qid, text in job.questions]
+    return [dataclasses.replace(r, question=r.question[:20])
+            for r in question_requests(drawn, docs)]
 
 
 def decode_steps(requests: list[QuestionRequest], mode: str, max_batch: int) -> list[tuple]:

@@ -319,3 +319,20 @@ def test_gguf_file_from_dummy_weights_loads_back_to_the_same_weights(spec, tmp_p
     assert all(torch.equal(got[n], want[n]) for n in want)
     timed = time_load(path, dtype=torch.bfloat16, engine=False, cached=True, baseline=True)
     assert timed["tensors"] == len(want) and timed["mmap_read_gb_per_s"] > 0
+
+
+def test_question_requests_carry_each_jobs_budget_template_and_document():
+    tok = ByteTokenizer(vocab_size=384)
+    jobs = w.make_jobs(w.WORKLOADS["labeling"], tok, max_docs=2)
+    requests = w.question_requests(jobs)
+    assert len(requests) == sum(len(j.questions) for j in jobs.jobs)
+    by_key = {r.key: r for r in requests}
+    for job in jobs.jobs:
+        for qid, question in job.questions:
+            r = by_key[(job.name, qid)]
+            assert (r.document, r.question, r.template) == \
+                (jobs.documents[job.document], question, "label")
+            assert r.sampling.max_new_tokens == job.max_new_tokens and r.sampling.ignore_eos
+    short = w.question_requests(jobs, ["a", "b"])
+    assert [r.document for r in short] == [["a", "b"][j.document] for j in jobs.jobs
+                                          for _ in j.questions]

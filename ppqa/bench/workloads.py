@@ -226,6 +226,22 @@ def _budgets(group: DocGroup, rng: random.Random, step: int) -> list[int]:
             for _ in range(group.questions)]
 
 
+def question_requests(jobs: Jobs, documents: list[str] | None = None) -> list:
+    """The drawn jobs as engine requests, job by job: keys (job name, question id), each job's
+    budget with EOS ignored (dummy weights' answers end at their budgets) and its template.
+    `documents` replaces the texts, index for index (the tools that time the session alone)."""
+    from ppqa import QuestionRequest, SamplingParams
+
+    texts = jobs.documents if documents is None else documents
+    requests = []
+    for job in jobs.jobs:
+        sampling = SamplingParams(max_new_tokens=job.max_new_tokens, ignore_eos=True)
+        requests += [QuestionRequest((job.name, qid), texts[job.document], q, sampling,
+                                     template=job.template)
+                     for qid, q in job.questions]
+    return requests
+
+
 def make_jobs(workload: Workload, tokenizer, max_docs: int | None = None) -> Jobs:
     """Draw the workload from its seed with `tokenizer` (the model's); see the module doc.
     `max_docs` keeps the first documents of each group only (quick trials)."""
