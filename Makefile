@@ -9,6 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ppqa-setup-complete
 DEMO_DB := .demo/demo.db
+# Test processes (pytest-xdist): one per core, at most 4; `make test TEST_JOBS=0` runs the suite
+# in one process. Tests are grouped by module, so a module's fixtures load once.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 # The demo keeps its store in .demo/, never in the user's real one.
 PPQA := $(VENV)/bin/ppqa --db $(DEMO_DB)
 
@@ -33,7 +36,7 @@ demo: setup
 	$(PPQA) export answers.csv
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadscope
 
 clean:
 	rm -rf .demo answers.csv
