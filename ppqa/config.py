@@ -123,8 +123,7 @@ class EngineConfig:
     # None: twice max_batch_requests; equal to it: never past it.
     max_wide_requests: int | None = None
     default_streams: int = 32  # P when a parallel run is given streams=None
-    # Decode steps captured as CUDA graphs, B padded to a bucket (graph_runner.batch_bucket; None:
-    # on CUDA only).
+    # Decode steps captured as CUDA graphs, B padded to a power of two (None: on CUDA only).
     cuda_graphs: bool | None = None
     seed: int = 0  # dummy weights, and the seeds of sampled questions that give none
     # Tokens in one prefill forward (document chunks, question batches); None: the device's

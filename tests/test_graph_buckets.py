@@ -10,7 +10,7 @@ import bisect
 
 import torch
 
-from ppqa.engine.runtime.graph_runner import GraphCache, batch_bucket, length_bucket
+from ppqa.engine.runtime.graph_runner import GraphCache, length_bucket
 from ppqa.kernels.cascade import group_size_bound
 
 GPU = torch.device("cuda")  # tiles are chosen for a GPU from the device type alone
@@ -101,17 +101,3 @@ def test_graphs_of_cascade_steps_are_keyed_by_the_backends_group_bound():
         GPU, torch.bfloat16, 7, n, contiguous))
     assert key(seven, 18)[1] == 18 and key(seven, 19)[1] == 32  # 19: two tiles, up to 36
     assert key(SimpleNamespace(), 18)[1] == 32  # a backend without a bound: powers of two
-
-
-# Decode steps' request counts: powers of two up to 128, then 2^k and 1.5 x 2^k.
-BATCHES = sorted({2**k for k in range(8)} | {m * 2**k for k in range(6, 13) for m in (2, 3)})
-
-
-def test_a_step_pads_to_the_smallest_batch_bucket_that_holds_it():
-    for n in range(1, 4097):
-        assert batch_bucket(n) == BATCHES[bisect.bisect_left(BATCHES, n)], n
-    assert [batch_bucket(n) for n in (1, 3, 100, 128, 129, 144, 192, 193, 256, 257, 384, 385)] \
-        == [1, 4, 128, 128, 192, 192, 192, 256, 256, 384, 384, 512]
-    # past 128 a step pads by less than half of its requests, and a bucket is its own bucket
-    assert all(batch_bucket(n) < 1.5 * n for n in range(129, 4097))
-    assert all(batch_bucket(b) == b for b in BATCHES)

@@ -53,7 +53,6 @@ from ppqa.engine.launches import Launched, Prefilled, charge_streams
 from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
 from ppqa.engine.prefilling import SessionPrefill
 from ppqa.engine.runtime.grammar import fill_later
-from ppqa.engine.runtime.graph_runner import batch_bucket
 from ppqa.engine.runtime.sampling import FILL, sample
 from ppqa.engine.runtime.scheduler import Scheduler
 from ppqa.engine.runtime.steps import PlannedStep
@@ -262,8 +261,8 @@ class EngineSession(SessionPrefill):
                     continue
             self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(batch))
             prev, self._in_flight = self._in_flight, None
-            # Fixed shapes for CUDA graphs: B padded to a bucket with dummy requests.
-            pad_to = batch_bucket(len(batch)) if self.engine.config.cuda_graphs else 0
+            # Fixed shapes for CUDA graphs: B padded to a power of two with dummy requests.
+            pad_to = 1 << (len(batch) - 1).bit_length() if self.engine.config.cuda_graphs else 0
             step = self.sched.decode_step(batch, pad_to=pad_to,
                                           prev=None if prev is None else prev.step)
             self._in_flight = self._launch(step, prev)

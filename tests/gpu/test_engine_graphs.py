@@ -96,30 +96,6 @@ def test_steps_mixing_stock_and_cascade_replay_like_eager():
     assert len(got[True]) == len(requests)
 
 
-@pytest.mark.parametrize("mode", ["stock", "cascade"])
-def test_a_step_of_150_requests_replays_its_192_graph_like_eager(mode):
-    """Past 128 requests a step pads to 1.5 x a power of two (graph_runner.batch_bucket): 150
-    questions, answers of 6-13 tokens, replay the graph of 192 requests captured on its third
-    use, and every token is the eager run's (fp32)."""
-    from ppqa import QuestionRequest
-
-    # Short enough that one admission takes all 150 (each counts its document's tokens).
-    document = "The lighthouse at Corr Point was lit in 1874 and rebuilt after the storm."
-    requests = [QuestionRequest(i, document, f"What was lit in year {1800 + i}?",
-                                SamplingParams(max_new_tokens=6 + i % 8, ignore_eos=True))
-                for i in range(150)]
-    got = {}
-    for graphs in (False, True):
-        eng = _engine("tiny-gqa", graphs)
-        out = {}
-        eng.run(requests, mode=mode, on_answer=lambda r, a: out.__setitem__(r.key, a.token_ids))
-        got[graphs] = [out[i] for i in range(len(requests))]
-        if graphs:
-            assert any(key[1] == 192 for key in eng.parts.runner.graphs.graphs), \
-                list(eng.parts.runner.graphs.graphs)
-    assert got[True] == got[False]
-
-
 def _engine(model: str, graphs: bool) -> Engine:
     return Engine(f"dummy:{model}", device="cuda", dtype="float32",
                   config=EngineConfig(cuda_graphs=graphs, mem_fraction=0.05))

@@ -43,19 +43,6 @@ class CapturedStep:
     logits: torch.Tensor
 
 
-def batch_bucket(n: int) -> int:
-    """The requests a decode step of `n` is padded to (dummy requests) for its graph: a power
-    of two up to 128, then the smallest of 2^k x (1, 1.5) that holds it (192, 256, 384, 512).
-    Up to ~128 rows a 7B model's GEMMs are bound by reading the weights, so padding there
-    costs little; past it they turn bound by their FLOPs and every padded row costs its
-    share. `loogle`'s steps of 138-144 rows padded to 256 took 12.7-13.0 ms on an H100, those
-    of 117 padded to 128 10.5 ms (benchmarks/results/h100/gprof_loogle_auto_s45c2.json)."""
-    top = _pow2(n)
-    if top > 128 and 4 * n <= 3 * top:
-        return 3 * top // 4
-    return top
-
-
 # A shape is captured on its third use; before that its steps run eagerly.
 CAPTURE_AFTER = 3
 
