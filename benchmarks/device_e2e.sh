@@ -191,6 +191,14 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
           --mode "$m" --max-docs "$n" --paths worker,worker --profile-pass 1 \
           --folder "/tmp/gprof_$tag" --out "$OUT/gprof_$tag.json" ${GPROF_ARGS:-} $first
       done ;;
+    spy)  # where the worker's threads spend one pass, sampled by py-spy (idle included, in
+      # speedscope's per-thread timelines): SPY="WORKLOAD:MODE:MAX_DOCS", a fresh process on the
+      # Triton cache as it is, as `ppqa run` starts; `.whl` carries py-spy's wheel
+      IFS=: read -r w m n <<< "${SPY:?}"
+      step "spy_${w}_${m}" 240 /tmp/site/bin/py-spy record --idle -r 100 -f speedscope \
+        -o "$OUT/spy_${w}_${m}.json" -- python3 benchmarks/session_timeline.py --workload "$w" \
+        --mode "$m" --max-docs "$n" --paths worker --warmup cold --folder /tmp/spy \
+        --out "$OUT/spy_timeline_${w}_${m}.json" ;;
     gprofbase)  # gprof's first spec through the earlier tree in .base (made as for arrivalsab):
       # its ppqa first on the path, this tree's session_timeline.py
       IFS=: read -r w m n p <<< "${GPROF%% *}"
