@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Sibling files, not a package.
 from gpu_time import Profile, print_summary  # noqa: E402
 from timeline_probes import (  # noqa: E402
-    SyncLog, Tally, allocator_counts, graph_keys, phased, sync, trace_cudnn, trace_summary, wrap,
+    GcLog, SyncLog, Tally, allocator_counts, graph_keys, phased, sync, trace_cudnn, trace_summary, wrap,
 )
 from timeline_worker import worker_pass  # noqa: E402
 
@@ -164,6 +164,7 @@ def run_pass(engine: Engine, workload, mode: str, max_docs: int | None, phase: d
         "graph_keys": dict(key_use.most_common()),
         "captured_keys": sorted(set(map(repr, graph_keys(engine))) - captured_before),
         "first_answer_s": (answers[0] - t0) if answers else None,
+        "t0": t0,  # perf_counter at the pass's start (main() turns GcLog times relative to it)
         # The caching allocator's device calls in this pass: a failed cudaMalloc frees the
         # cached blocks (a device-wide sync) and retries.
         "allocator": {k: v - allocator_before.get(k, 0)
@@ -251,11 +252,15 @@ def main() -> None:
     for p, path in enumerate(paths):
         prof = Profile() if p == args.profile_pass else contextlib.nullcontext()
         syncs = SyncLog() if p == args.sync_check else contextlib.nullcontext()
-        with prof, syncs:
+        with prof, syncs, GcLog() as collections:
             run = run_pass(engine, dataclasses.replace(workload, seed=workload.seed + p),
                            args.mode, args.max_docs, phase, compiles, path, Path(args.folder),
                            prof=prof if p == args.profile_pass else None,
                            arrival_seconds=args.arrival_seconds)
+        run["gc"] = collections.summary(run.pop("t0"))
+        full = run["gc"]["full"]
+        print(f"  garbage collections {run['gc']['collections']}, ms {run['gc']['ms']}; full ones "
+              f"(s, ms, freed): {full[:8]}; frozen objects {run['gc']['frozen_objects']}")
         if p == args.profile_pass:
             run["gpu_time"] = prof.summary()
         if p == args.sync_check:

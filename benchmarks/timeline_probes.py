@@ -1,6 +1,7 @@
 """The probes `session_timeline.py` puts on an engine session and a worker: call tallies and
 phase marks wrapped around methods, the step trace's summary, the caching allocator's counters,
-the synchronising CUDA calls by site, and host timings of cuDNN attention calls.
+the synchronising CUDA calls by site, host timings of cuDNN attention calls, and Python's garbage
+collections.
 
 Each probe replaces an attribute (a method of an instance or a class, a module's function) with
 a wrapper that records and then calls the original; the numbers go to the caller's dicts and
@@ -9,6 +10,7 @@ counters, which `session_timeline.py` writes to its JSON.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -136,6 +138,43 @@ class SyncLog:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = self._old_show
         warnings.filters[:] = self._filters
+
+
+class GcLog:
+    """Python's garbage collections inside a block, from `gc.callbacks`: each one's start
+    (perf_counter), generation, milliseconds and objects freed. A full (generation-2) one stops
+    the host for its whole walk (ppqa/engine/heap.py)."""
+
+    def __enter__(self) -> GcLog:
+        self.events: list[tuple[float, int, float, int]] = []
+        self._start: float | None = None
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._start = now
+        elif self._start is not None:
+            self.events.append((self._start, info["generation"], (now - self._start) * 1e3,
+                                info["collected"]))
+            self._start = None
+
+    def summary(self, t0: float) -> dict:
+        """Counts and milliseconds by generation, and each full collection as [s after t0, ms,
+        objects freed]; the heap's frozen objects at the end."""
+        count: Counter = Counter()
+        ms: dict[int, float] = defaultdict(float)
+        for _, gen, took, _ in self.events:
+            count[gen] += 1
+            ms[gen] += took
+        return {"collections": dict(count), "ms": {g: round(v, 2) for g, v in ms.items()},
+                "full": [[round(at - t0, 3), round(took, 2), freed]
+                         for at, gen, took, freed in self.events if gen == 2],
+                "frozen_objects": gc.get_freeze_count()}
 
 
 def sync(engine: Engine) -> None:
