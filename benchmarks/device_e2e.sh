@@ -203,16 +203,15 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       # the heap's freeze (ppqa/engine/heap.py)
       step gcpause 150 python3 benchmarks/gc_pauses.py --model dummy:qwen2.5-7b+bpe --device cuda \
         --warmup --out "$OUT/gc_pauses.json" ;;
-    gcab)  # one worker pass in a fresh process (as `ppqa run` starts on a warm Triton cache),
-      # the tree in .base then this one, with each garbage collection's time and length:
-      # GCAB="WORKLOAD:MODE:MAX_DOCS" (default loogle:auto:24)
+    gcbase|gcnew)  # one worker pass in a fresh process (as `ppqa run` starts on a warm Triton
+      # cache) through the tree in .base (gcbase) or this one (gcnew), with each garbage
+      # collection's time and length: GCAB="WORKLOAD:MODE:MAX_DOCS" (default loogle:auto:24)
       IFS=: read -r w m n <<< "${GCAB:-loogle:auto:24}"
-      PYTHONPATH=/tmp/site:$PWD/.base step "gc_${w}_base" 150 python3 benchmarks/session_timeline.py \
+      tree=${s#gc}
+      if [ "$tree" = base ]; then path=/tmp/site:$PWD/.base; else path=$PYTHONPATH; fi
+      PYTHONPATH=$path step "gc_${w}_$tree" 150 python3 benchmarks/session_timeline.py \
         --workload "$w" --mode "$m" --max-docs "$n" --paths worker --warmup cold \
-        --folder /tmp/gcab_base --out "$OUT/gc_${w}_base.json"
-      step "gc_${w}_new" 150 python3 benchmarks/session_timeline.py --workload "$w" --mode "$m" \
-        --max-docs "$n" --paths worker --warmup cold --folder /tmp/gcab_new \
-        --out "$OUT/gc_${w}_new.json" ;;
+        --folder "/tmp/gc_$tree" --out "$OUT/gc_${w}_$tree.json" ;;
     gprofbase)  # gprof's first spec through the earlier tree in .base (made as for arrivalsab):
       # its ppqa first on the path, this tree's session_timeline.py
       IFS=: read -r w m n p <<< "${GPROF%% *}"
