@@ -3,8 +3,9 @@
 Imports what `ppqa run` imports, builds the engine (and, with --warmup, runs its warm-up, which
 compiles kernels and captures graphs on a GPU), answers one small job through a session, then
 times `gc.collect()` over the heap as it is (the walk a generation-2 collection makes at
-whatever line allocates next) and again after `ppqa.engine.heap.freeze_long_lived()`. Prints
-the tracked objects and milliseconds; writes them to --out.
+whatever line allocates next) and again after `gc.freeze()` (what vLLM and SGLang do to their
+serving processes after start-up: later collections skip the objects alive then). Prints the
+tracked objects and milliseconds; writes them to --out.
 
     python benchmarks/gc_pauses.py --model dummy:tiny-gqa --device cpu --out gc.json
 """
@@ -38,7 +39,6 @@ def main() -> None:
     import ppqa.cli.app  # noqa: F401  (the CLI's own imports, as `ppqa run` has them)
     import ppqa.worker.loop  # noqa: F401
     from ppqa import Engine
-    from ppqa.engine import heap
 
     engine = Engine(args.model, device=args.device)
     if args.warmup:
@@ -47,10 +47,11 @@ def main() -> None:
                   ["When does the ferry leave?"])
     result = {"model": engine.model_name, "device": str(engine.device), "warmup": args.warmup,
               "tracked_objects": len(gc.get_objects()), "full_collection_ms": collect_ms()}
-    heap.freeze_long_lived()
+    gc.collect()
+    gc.freeze()
     result.update(frozen_objects=gc.get_freeze_count(), tracked_after_freeze=len(gc.get_objects()),
                   full_collection_after_freeze_ms=collect_ms())
-    heap.thaw()
+    gc.unfreeze()
     print(f"{result['model']} on {result['device']}: {result['tracked_objects']} tracked objects, "
           f"a full collection {result['full_collection_ms']:.1f} ms; after the freeze "
           f"{result['tracked_after_freeze']} tracked ({result['frozen_objects']} frozen), "

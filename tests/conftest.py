@@ -1,5 +1,4 @@
-"""Suite-wide fixtures: an isolated PPQA_HOME for every test, a thawed heap after it, and job-store
-databases.
+"""Suite-wide fixtures: an isolated PPQA_HOME for every test, and job-store databases.
 
 `sqlite_db` / `pg_db` give an open, migrated store (SQLite file in tmp, or a fresh PostgreSQL
 schema dropped afterwards); `any_db` runs a test on both; `pg_url` is the URL of a fresh schema
@@ -33,16 +32,6 @@ def ppqa_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PPQA_HOME", str(home))
     monkeypatch.delenv("PPQA_DB", raising=False)
     return home
-
-
-@pytest.fixture(autouse=True)
-def thawed_heap():
-    """A worker run freezes the process's heap once (engine/heap.py); each test ends with it
-    thawed, so that later tests' garbage cycles among today's objects are still collected."""
-    yield
-    from ppqa.engine import heap
-
-    heap.thaw()
 
 
 def _pg_unreachable() -> str:

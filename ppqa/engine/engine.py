@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 
 
 from ppqa.config import EngineConfig, SamplingParams
-from ppqa.engine import heap
 from ppqa.engine.outputs import Answer, PromptTooLongError, QuestionRequest, RunStats
 from ppqa.engine.runtime.grammar import Grammars
 from ppqa.engine.session import EngineSession
@@ -82,7 +81,6 @@ class Engine:
             return
         self.shutdown()
         self._parts = None
-        heap.thaw()  # a worker froze the parts with the rest (engine/heap.py)
         gc.collect()
         if self.device.type == "cuda":
             import torch

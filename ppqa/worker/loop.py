@@ -39,7 +39,6 @@ import time
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from ppqa.engine import heap
 from ppqa.store import queue
 from ppqa.store.db import Database, error_reason
 from ppqa.store.errors import StoreError
@@ -110,9 +109,6 @@ class Worker:
                     self._drop_lost()
                     claimed = self._claim_if_room()
                     if self._session.has_work():
-                        # Once per process, beside the first claim's queued prefill: later
-                        # full collections skip the engine and the imports (engine/heap.py).
-                        heap.freeze_long_lived()
                         if not self._engine_call(self._session.step):
                             continue
                         busy = self._session.has_work()
