@@ -200,7 +200,7 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
         --mode "$m" --max-docs "$n" --paths worker --warmup cold --folder /tmp/spy \
         --out "$OUT/spy_timeline_${w}_${m}.json" ;;
     gcpause)  # one full garbage collection in a process holding the warmed 7B engine, and after
-      # the heap's freeze (ppqa/engine/heap.py)
+      # gc.freeze() (benchmarks/gc_pauses.py)
       step gcpause 150 python3 benchmarks/gc_pauses.py --model dummy:qwen2.5-7b+bpe --device cuda \
         --warmup --out "$OUT/gc_pauses.json" ;;
     gcbase|gcnew)  # one worker pass in a fresh process (as `ppqa run` starts on a warm Triton

@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Sibling files, not a package.
 from gpu_time import Profile, print_summary  # noqa: E402
 from timeline_probes import (  # noqa: E402
-    GcLog, SyncLog, Tally, allocator_counts, graph_keys, phased, sync, trace_cudnn, trace_summary, wrap,
+    GcLog, SyncLog, Tally, allocator_counts, graph_keys, phased, sync, trace_cudnn, trace_summary,
+    wrap,
 )
 from timeline_worker import worker_pass  # noqa: E402
 

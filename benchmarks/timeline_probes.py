@@ -143,7 +143,7 @@ class SyncLog:
 class GcLog:
     """Python's garbage collections inside a block, from `gc.callbacks`: each one's start
     (perf_counter), generation, milliseconds and objects freed. A full (generation-2) one stops
-    the host for its whole walk (ppqa/engine/heap.py)."""
+    the host for its whole walk (benchmarks/gc_pauses.py prices one)."""
 
     def __enter__(self) -> GcLog:
         self.events: list[tuple[float, int, float, int]] = []
