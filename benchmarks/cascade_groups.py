@@ -7,8 +7,10 @@ keeps a few requests or one. This measures that shape per layer, stock against c
 (through `TritonBackend.forward`, the K/V write included, each step captured as a CUDA graph and
 its replays timed, as the engine runs decode), the cascade document kernel alone, and what the
 cost model (`engine/runtime/cost_model.py`) predicts for each, so the model's constants can be
-checked against the kernels at this shape. Cascade runs three times: with the step's own
-maxima, and with the bounds an engine's CUDA graph plans for (`BOUNDS`).
+checked against the kernels at this shape. Cascade runs with the step's own maxima and with
+the bounds an engine's CUDA graph plans for (`BOUNDS`), each through the stream-K document
+kernel and through the split one (`KERNELS`; contiguous documents only: gathered ones have the
+split kernel alone); `auto_kernel` says which of the two the backend takes by itself.
 
 Each case is a list of group sizes: "18x6" is six documents of 18 requests, "18,9,4,2,1,1" a
 step late in a run. Every request has `--own` tokens of its own (question and answer so far)
@@ -26,6 +28,7 @@ matches stock's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -45,12 +48,13 @@ from ppqa.engine.attention.triton_backend import TritonBackend  # noqa: E402
 from ppqa.engine.loading.presets import preset_config  # noqa: E402
 from ppqa.engine.runtime import cost_model  # noqa: E402
 from ppqa.engine.runtime.graph_runner import _pow2, length_bucket  # noqa: E402
-from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # How a cascade step's maxima are set (Step.meta): as an eager step, as graphs were keyed before
 # (powers of two), as the graph runner keys them now (whole query tiles).
 BOUNDS = ("exact", "pow2", "tiles")
+# The document kernel: split per document for the step's plan, or stream-K over the whole GPU.
+KERNELS = ("split", "stream")
 I32 = dict(device=DEV, dtype=torch.int32)
 
 
@@ -172,6 +176,10 @@ def floor_ms(cfg, doc_len: int, sizes: list[int], own: int, mode: str) -> float:
     return max(unique / 4.3e12, flops / 790e12) * 1e3
 
 
+def columns(gather: bool) -> list[tuple[str, str]]:
+    return [(b, k) for b in BOUNDS for k in KERNELS if not (gather and k == "stream")]
+
+
 def run_case(cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
              graphs: bool) -> dict:
     step = Step(cfg, doc_len, sizes, own, dtype, gather, torch.Generator().manual_seed(0))
@@ -180,22 +188,25 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
     row = {"sizes": sizes, "groups": len(sizes), "requests": step.batch,
            "stock_splits": step.backend.plan(stock_meta).splits,
            "stock_ms": timed(lambda: step.forward(stock_meta), graphs)}
-    for bounds in BOUNDS:
+    for bounds, kernel in columns(gather):
+        step.backend.stream_prefix = kernel == "stream"
         meta = step.meta(True, bounds)
         diff = float((step.forward(meta).float() - stock_out).abs().max())
         plan = step.backend.plan(meta)
         casc = meta.cascade
         part = step.backend.scratch.views(step.batch, cfg.num_heads, plan.prefix_splits,
                                           cfg.head_dim)
-        row[bounds] = {
+        document = functools.partial(step.backend.document_part, step.q, step.k, step.v, meta,
+                                     plan, *part)
+        col = row[f"{bounds}/{kernel}"] = {
             "group_bound": casc.max_group_size, "splits": [plan.splits, plan.prefix_splits],
-            "max_abs_diff": diff, "cascade_ms": timed(lambda: step.forward(meta), graphs),
-            "document_ms": timed(lambda: launch_shared_prefix(
-                step.q, step.k, step.v, step.table, casc.group_req_indptr,
-                casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
-                step.backend.sm_scale, plan.prefix_splits, *part,
-                doc_starts=step.backend._doc_starts(casc)), graphs)}
-        row[bounds]["x"] = row["stock_ms"] / row[bounds]["cascade_ms"]
+            "stream": plan.stream, "max_abs_diff": diff,
+            "cascade_ms": timed(lambda: step.forward(meta), graphs),
+            "document_ms": timed(document, graphs)}
+        col["x"] = row["stock_ms"] / col["cascade_ms"]
+    step.backend.stream_prefix = None  # which the backend takes by itself, per bound
+    row["auto_kernel"] = {b: "stream" if step.backend.plan(step.meta(True, b)).stream
+                          else "split" for b in BOUNDS}
     for mode in ("stock", "cascade"):
         row[f"{mode}_predicted_ms"] = predicted_ms(cfg, doc_len, sizes, own, mode)
         row[f"{mode}_floor_ms"] = floor_ms(cfg, doc_len, sizes, own, mode)
@@ -224,20 +235,23 @@ def main() -> None:
     rows = []
     print(f"{cfg.name}: document {doc_len} tokens, {own} own tokens a request, "
           f"{'gathered' if args.gather else 'contiguous'} documents, one layer, ms")
+    cols = columns(args.gather)
     print(f"{'groups':>20} {'stock':>6} | {'cascade':>7} {'doc':>6} {'x':>5} {'splits':>7} "
-          f"per bounds {'/'.join(BOUNDS)} | {'pred x':>6} {'doc floor':>9}")
+          f"per column {', '.join('/'.join(c) for c in cols)} | {'pred x':>6} "
+          f"{'doc floor':>9}")
     for text in ";".join(cases).split(";"):
         if not text:
             continue
         row = run_case(cfg, doc_len, parse_case(text), own, dtype, args.gather, not args.eager)
         row["case"] = text
         rows.append(row)
-        parts = " | ".join(f"{row[b]['cascade_ms']:7.3f} {row[b]['document_ms']:6.3f} "
-                           f"{row[b]['x']:5.2f} {str(tuple(row[b]['splits'])):>7}"
-                           for b in BOUNDS)
+        parts = " | ".join(f"{row[c]['cascade_ms']:7.3f} {row[c]['document_ms']:6.3f} "
+                           f"{row[c]['x']:5.2f} {str(tuple(row[c]['splits'])):>7}"
+                           for c in ("/".join(c) for c in cols))
         print(f"{text:>20} {row['stock_ms']:6.3f} | {parts} | {row['predicted_x']:6.2f} "
               f"{row['document_floor_ms']:9.4f}  diff "
-              f"{max(row[b]['max_abs_diff'] for b in BOUNDS):.1e}", flush=True)
+              f"{max(row['/'.join(c)]['max_abs_diff'] for c in cols):.1e}  auto: "
+              f"{'/'.join(row['auto_kernel'].values())}", flush=True)
         with open(args.out, "w") as f:
             json.dump({"model": cfg.name, "doc_tokens": doc_len, "own": own,
                        "gather": args.gather, "graphs": not args.eager, "rows": rows}, f, indent=1)

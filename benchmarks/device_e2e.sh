@@ -225,6 +225,11 @@ for s in ${STEPS:-startup pytest prefill quality loogle serve grammar timeline};
       step cgroups 150 python3 benchmarks/cascade_groups.py ${CG_ARGS:-} --out "$OUT/cascade_groups.json"
       step cgroups_gather 150 python3 benchmarks/cascade_groups.py --gather ${CG_ARGS:-} \
         --out "$OUT/cascade_groups_gather.json" ;;
+    cgpaper)  # the same step at the paper grid's shapes (CodeLlama-7B, 16k documents, 256 or
+      # 64 questions each): where the split kernel's plan already fills the GPU
+      step cgpaper 150 python3 benchmarks/cascade_groups.py --model codellama-7b \
+        --doc-tokens 16384 --own 100 --cases "${CGP_CASES:-256;64x4;256,64}" \
+        --out "$OUT/cascade_groups_paper.json" ;;
     overlap)  # one half-batch's GEMMs beside the other half's attention, two streams
       step overlap 150 python3 benchmarks/overlap_probe.py ${OVERLAP_ARGS:-} --out "$OUT/overlap_probe.json" ;;
     atimeline)  # labeling's 50 jobs through the worker up front, then arriving over 6 s

@@ -38,7 +38,6 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 from layer_kernels import DEV, MODELS, Grid, bench, bench_replay  # noqa: E402
 
-from ppqa.kernels.cascade import launch_shared_prefix  # noqa: E402
 from ppqa.kernels.merge import merge_partials  # noqa: E402
 
 
@@ -100,15 +99,12 @@ def doc_product_cell(model: str, doc_len: int, questions: int) -> list[dict]:
     graph replays where they capture, else eager."""
     grid = Grid(MODELS[model], doc_len, questions, torch.Generator().manual_seed(0))
     backend, meta = grid.stock(cascade=True)
-    plan, casc = backend.plan(meta), meta.cascade
+    plan = backend.plan(meta)
     part = backend.scratch.views(questions, grid.num_heads, plan.prefix_splits, grid.head_dim)
     out = torch.empty_like(grid.q)
 
     def ours():
-        launch_shared_prefix(grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
-                             casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
-                             backend.sm_scale, plan.prefix_splits, *part,
-                             doc_starts=backend._doc_starts(casc))
+        backend.document_part(grid.q, grid.k, grid.v, meta, plan, *part)
         merge_partials(*part, out)
         return out
 

@@ -223,12 +223,10 @@ def cell(model: str, doc_len: int, questions: int, gen) -> list[dict]:
     backend.overlap = True
     plan = backend.plan(meta)
     part = backend.scratch.views(questions, grid.num_heads, plan.prefix_splits, grid.head_dim)
-    casc = meta.cascade
     doc_ms = bench(functools.partial(  # no closure over `grid`, which is deleted below
-        launch_shared_prefix, grid.q, grid.k, grid.v, meta.req_to_token, casc.group_req_indptr,
-        casc.doc_req_indices, casc.doc_lens, casc.max_group_size, backend.sm_scale,
-        plan.prefix_splits, *part, doc_starts=backend._doc_starts(casc)))
-    out.append(figures(grid, "cascade_document", doc_ms) | {"splits": plan.prefix_splits})
+        backend.document_part, grid.q, grid.k, grid.v, meta, plan, *part))
+    out.append(figures(grid, "cascade_document", doc_ms)
+               | {"splits": plan.prefix_splits, "stream": plan.stream})
     for shared in (True, False):
         name = "sdpa_shared" if shared else "sdpa_per_question"
         try:
@@ -277,6 +275,7 @@ def sweep(model: str, doc_len: int, questions: int, gen) -> list[dict]:
             backend.pool.slot_sid, meta.max_extend_len, backend.sm_scale,
             max_prefix_len=meta.max_prefix_len, scratch=backend.scratch, tiles=Tiles(*t)))
     backend, meta = grid.stock(cascade=True)
+    backend.stream_prefix = False  # the split kernel's tiles: its own plan
     casc, splits = meta.cascade, backend.plan(meta).prefix_splits
     part = backend.scratch.views(questions, grid.num_heads, splits, grid.head_dim)
     for t in SWEEP["prefix"]:

@@ -2,10 +2,10 @@
 
 Every attention kernel here can stop short of a final output and write, per (token, head), a
 partial state: the softmax-normalised output over a subset of keys and that subset's
-log-sum-exp (natural log; -inf with o = 0 when the subset held no visible key). The split-KV
-paths (flash-decoding) write one state per split, the cascade path writes the document's
-splits and the suffix's splits side by side, and `merge_partials` reduces them all in one
-launch. Partial buffers are [T, H, N, D] float32 (o) and [T, H, N] float32 (lse), N the states.
+log-sum-exp (natural log; -inf when the subset held no visible key, and then o is not read).
+The split-KV paths (flash-decoding) write one state per split, the cascade path writes the
+document's splits and the suffix's splits side by side, and `merge_partials` reduces them all
+in one launch. Partial buffers are [T, H, N, D] float32 (o) and [T, H, N] float32 (lse), N the states.
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def _merge_kernel(
         rescale = tl.exp(top - safe)  # 0 while nothing was seen (top = -inf)
         w = tl.exp(lse - safe[:, None])  # 0 for empty states
         offs = o_base[:, None, None] + s[None, :, None] * stride_ps + d[None, None, :]
-        parts = tl.load(Part_o + offs, mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        # An empty state's o is not read: a kernel that marks states unused writes their lse
+        # only (the stream-K document kernel).
+        used = s_ok & (lse > float("-inf"))
+        parts = tl.load(Part_o + offs, mask=used[:, :, None] & d_ok[None, None, :], other=0.0)
         acc = acc * rescale[:, None] + tl.sum(parts * w[:, :, None], axis=1)
         total = total * rescale + tl.sum(w, axis=1)
         top = new_top

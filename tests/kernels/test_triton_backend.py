@@ -71,3 +71,43 @@ def test_stock_and_cascade_in_one_step_on_triton_match_torch_stock():
     session.close()
     assert mixed
     assert {k: a.token_ids for k, a in got.items()} == {k: a.token_ids for k, a in expected.items()}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "split"])
+def test_documents_decoding_together_by_either_document_kernel_match_torch_stock(stream,
+                                                                                 monkeypatch):
+    """Three documents' questions decoding in the same cascade steps, answers of unequal
+    budgets (groups shrink and leave), the document part forced through the stream-K kernel
+    or through the split one: the tokens of `stock` on the torch backend, and the decode steps
+    launched the kernel asked for and never the other."""
+    import collections
+
+    from ppqa import QuestionRequest
+    from ppqa.engine.attention import triton_backend
+
+    launches = collections.Counter()
+    for name in ("launch_stream_prefix", "launch_shared_prefix"):
+        def spy(*args, _real=getattr(triton_backend, name), _name=name, **kwargs):
+            launches[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(triton_backend, name, spy)
+    device = "cuda" if ON_GPU else "cpu"
+    docs = [DOCUMENT * REPEAT, "A second, shorter text about boats. " * (2 * REPEAT),
+            "Rain fell on the third day, and the town stayed in. " * REPEAT]
+    requests = [QuestionRequest((d, i), doc, q, SamplingParams(max_new_tokens=NEW_TOKENS - i,
+                                                               ignore_eos=True))
+                for d, doc in enumerate(docs) for i, q in enumerate(QUESTIONS[d:d + 2])]
+    engines = {backend: Engine("dummy:tiny-gqa", device=device, dtype="float32",
+                               config=EngineConfig(attention_backend=backend,
+                                                   kv_token_budget=8192, mem_fraction=0.05))
+               for backend in ("torch", "triton")}
+    engines["triton"].parts.backend.stream_prefix = stream
+    answers = {}
+    for backend, mode in (("torch", "stock"), ("triton", "cascade")):
+        got = answers[backend] = {}
+        engines[backend].run(requests, mode=mode,
+                             on_answer=lambda r, a, got=got: got.__setitem__(r.key, a.token_ids))
+    assert answers["triton"] == answers["torch"]
+    used, unused = (("launch_stream_prefix", "launch_shared_prefix") if stream
+                    else ("launch_shared_prefix", "launch_stream_prefix"))
+    assert launches[used] > 0 and launches[unused] == 0, dict(launches)

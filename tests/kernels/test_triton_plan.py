@@ -42,3 +42,33 @@ def test_padded_cascade_step_plans_document_splits_for_its_real_groups():
     # the premise: counting the dummies' group would change the plan (the interpreter's 4 "SMs"
     # hold 8 CTAs; one group's 4 programs fill them in 2 splits, two groups' 8 in one)
     assert counted.prefix_splits != alone.prefix_splits
+
+
+def test_cascade_step_takes_the_stream_kernel_where_splits_would_leave_the_gpu_idle():
+    """A graph bound of 8 documents (one KV head) plans one split each for 8, which at its
+    fewest, 5, fills 5 of the interpreter's 8 CTA slots: the stream kernel, with states for 5
+    documents to fill the grid. One document fills the slots with its splits: the split
+    kernel. stream_prefix True / False forces either."""
+    from ppqa.kernels.cascade import split_fill, stream_ctas, tiling
+    from ppqa.engine.attention.triton_backend import STREAM_BELOW_FILL
+
+    kv = torch.zeros(DOC + 16, 1, DIM)
+    pool = SimpleNamespace(k_buffers=[kv], v_buffers=[kv.clone()],
+                           slot_sid=torch.full((DOC + 16,), -1, dtype=torch.int32))
+    backend = TritonBackend(pool, HEADS, 1, DIM, DIM ** -0.5)
+    eight, one = decode_meta([3] * 8, [DOC] * 8, doc_groups=8), decode_meta([3], [DOC], None)
+    backend.stream_prefix = False
+    split_eight, split_one = backend.plan(eight), backend.plan(one)
+    assert not split_eight.stream and not split_one.stream
+    dev = torch.device("cpu")
+    assert split_fill(dev, torch.float32, HEADS, 1, 5, 3, split_eight.prefix_splits) \
+        < STREAM_BELOW_FILL <= split_fill(dev, torch.float32, HEADS, 1, 1, 3,
+                                          split_one.prefix_splits)
+    backend.stream_prefix = None
+    auto_eight, auto_one = backend.plan(eight), backend.plan(one)
+    assert auto_eight.stream and auto_one == split_one
+    tiles = tiling(dev, torch.float32, HEADS, 3, contiguous=True)[0]
+    assert 5 * (auto_eight.prefix_splits - 1) >= stream_ctas(dev, tiles, 1)
+    assert auto_eight.splits == split_eight.splits  # the suffix's plan is the same
+    backend.stream_prefix = True
+    assert backend.plan(one).stream

@@ -36,7 +36,8 @@ from ppqa.engine.attention.fused_chunks import (
 )
 from ppqa.engine.attention.metadata import ForwardMetadata, RecentPlans
 from ppqa.kernels.cascade import (
-    group_size_bound, launch_shared_prefix, prefix_splits, shared_prefix_attention,
+    group_size_bound, launch_shared_prefix, launch_stream_prefix, prefix_splits,
+    shared_prefix_attention, split_fill, stream_states,
     tiling as cascade_tiling,
 )
 from ppqa.kernels.causal_prefill import causal_attention
@@ -49,6 +50,13 @@ from ppqa.kernels.merge import PartialScratch, merge_attention_states, merge_par
 # (or 16 splits of a 256-request decode step); the CPU interpreter needs far less.
 GPU_SCRATCH_BYTES = 256 << 20
 CPU_SCRATCH_BYTES = 16 << 20
+# Cascade decode takes the stream kernel where the split kernel's CTAs would fill less than this
+# share of the GPU's slots. One layer on an H100, Qwen2.5-7B, ~20k-token documents: the split
+# kernel ahead at 73% and 85% (0.225 against 0.236 ms, 0.203 against 0.211), the stream one
+# at 52% and 61% (0.250 against 0.314, 0.291 against 0.324), and 4-6% behind at the paper
+# grid's shapes, whose splits fill a wave (results/h100/cascade_groups_stream_s50c4.json,
+# cascade_groups_paper_stream_s50c4.json).
+STREAM_BELOW_FILL = 0.7
 
 
 @dataclass
@@ -56,12 +64,14 @@ class StepPlan:
     """Host-side launch choices for one step, shared by every layer."""
 
     splits: int  # extend or decode splits (suffix splits for cascade)
-    prefix_splits: int = 0  # cascade: document splits
+    prefix_splits: int = 0  # cascade: document splits (the stream kernel's states)
+    stream: bool = False  # cascade decode: the document part by the stream-K kernel
 
 
 class TritonBackend:
     def __init__(self, pool, num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float,
-                 scratch_bytes: int | None = None, overlap: bool = True) -> None:
+                 scratch_bytes: int | None = None, overlap: bool = True,
+                 stream_prefix: bool | None = None) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
@@ -71,6 +81,11 @@ class TritonBackend:
         # Cascade decode: the document product on a side stream, concurrent with the suffix
         # decode (GPU only; EngineConfig.overlap_cascade). False: one after the other.
         self.overlap = overlap
+        # Cascade decode over contiguous documents: the document part dealt evenly over the
+        # GPU by the stream-K kernel (kernels/cascade.launch_stream_prefix) rather than split
+        # per document for the bound a graph was captured at. None: where the split plan
+        # would fill less than STREAM_BELOW_FILL of the GPU; True: always; False: never.
+        self.stream_prefix = stream_prefix
         self.device = pool.k_buffers[0].device
         self.dtype = pool.k_buffers[0].dtype
         if scratch_bytes is None:
@@ -109,6 +124,7 @@ class TritonBackend:
         one = functools.partial(torch.tensor, dtype=torch.int32, device=self.device)
         indptr, doc_rows, doc_lens, doc_starts = one([0, 1]), one([0]), one([16]), one([1])
         part_o, part_lse = self.scratch.views(1, self.num_heads, 1, self.head_dim)
+        stream_parts = self.scratch.views(1, self.num_heads, 2, self.head_dim)
         k_buf, v_buf = self.pool.k_buffers[0], self.pool.v_buffers[0]
         seen = set()
         for contiguous in (False, True):
@@ -121,6 +137,9 @@ class TritonBackend:
                     launch_shared_prefix(q, k_buf, v_buf, req_to_token, indptr, doc_rows,
                                          doc_lens, rows, self.sm_scale, 1, part_o, part_lse,
                                          doc_starts=doc_starts if contiguous else None)
+                    if contiguous and self.stream_prefix is not False:
+                        launch_stream_prefix(q, k_buf, v_buf, indptr, doc_lens, doc_starts,
+                                             rows, self.sm_scale, 2, *stream_parts)
                 rows *= 2
         return len(seen)
 
@@ -181,6 +200,17 @@ class TritonBackend:
         doc = prefix_splits(self.device, self.dtype, meta.batch_size, *heads,
                             groups, casc.max_group_size, casc.max_doc_len,
                             self.scratch, reserved_states=splits, contiguous=casc.contiguous)
+        # A graph's bound holds from half its documents, plus one. Where the split plan leaves
+        # much of the GPU idle at that many, the stream kernel deals the work over all of it.
+        least = groups // 2 + 1
+        if self._doc_starts(casc) is not None and (self.stream_prefix or (
+                self.stream_prefix is None and split_fill(
+                    self.device, self.dtype, *heads[:2], least, casc.max_group_size,
+                    doc) < STREAM_BELOW_FILL)):
+            states = stream_states(self.device, self.dtype, meta.batch_size, *heads, least,
+                                   casc.max_group_size, self.scratch, reserved_states=splits)
+            if states:
+                return StepPlan(splits, states, stream=True)
         return StepPlan(splits, doc)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -305,19 +335,30 @@ class TritonBackend:
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         return self._side
 
+    def document_part(self, q, k_buf, v_buf, meta: ForwardMetadata, plan: StepPlan, part_o,
+                      part_lse, state_offset: int = 0) -> None:
+        """A cascade decode step's document states [state_offset, + plan.prefix_splits), by
+        the kernel the plan chose."""
+        casc = meta.cascade
+        if plan.stream:
+            launch_stream_prefix(q, k_buf, v_buf, casc.group_req_indptr, casc.doc_lens,
+                                 casc.doc_starts, casc.max_group_size, self.sm_scale,
+                                 plan.prefix_splits, part_o, part_lse, state_offset=state_offset)
+        else:
+            launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
+                                 casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
+                                 self.sm_scale, plan.prefix_splits, part_o, part_lse,
+                                 state_offset=state_offset, doc_starts=self._doc_starts(casc))
+
     def _cascade(self, q, o, k_buf, v_buf, meta: ForwardMetadata, plan: StepPlan) -> None:
         """Suffix states [0, splits) and document states [splits, splits + prefix_splits) of
         one buffer, then a single merge. With `overlap`, the document launch goes first on the
         side stream (its CTAs are the long ones) and the merge waits for both."""
-        casc = meta.cascade
         states = plan.splits + plan.prefix_splits
         part_o, part_lse = self.scratch.views(q.shape[0], self.num_heads, states, self.head_dim)
         side = self._fork()
         with torch.cuda.stream(side):  # None: a no-op, the launches run in order
-            launch_shared_prefix(q, k_buf, v_buf, meta.req_to_token, casc.group_req_indptr,
-                                 casc.doc_req_indices, casc.doc_lens, casc.max_group_size,
-                                 self.sm_scale, plan.prefix_splits, part_o, part_lse,
-                                 state_offset=plan.splits, doc_starts=self._doc_starts(casc))
+            self.document_part(q, k_buf, v_buf, meta, plan, part_o, part_lse, plan.splits)
         # Stock requests in a cascade step read their rows whole, with their documents' hints.
         launch_decode(q, k_buf, v_buf, meta.req_to_token, meta.req_indices, meta.kv_start,
                       meta.prefix_lens, self.sm_scale, plan.splits, part_o=part_o,
