@@ -92,6 +92,7 @@ def main() -> None:
           "first on PYTHONPATH)")
     JITFunction.run = _compile
     from ppqa.kernels.cascade import shared_prefix_attention
+    from ppqa.kernels.cascade_stream import launch_stream_prefix
     from ppqa.kernels.decode_attention import decode_attention
     from ppqa.kernels.extend_attention import extend_attention
     from ppqa.kernels.kv_store import store_kv
@@ -142,6 +143,9 @@ def main() -> None:
                                         size, 16384, 0.1, num_splits=2, doc_starts=group[1],
                                         tiles=Tiles(*contig_tiles[:4]) if contig_tiles else None,
                                         **options)
+            for size in (256, 8):  # the stream-K form, with TMA
+                launch_stream_prefix(q, pool, pool, group[0], group[2], group[1], size, 0.1, 2,
+                                     torch.zeros(64, hq, 2, 128), torch.zeros(64, hq, 2))
             for size in (256, 8):  # the pointer-load variant (TMA is the sm_90 default)
                 shared_prefix_attention(q, q, torch.zeros(64, hq), pool, pool, table, *group,
                                         size, 16384, 0.1, num_splits=2, doc_starts=group[1],

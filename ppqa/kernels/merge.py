@@ -5,7 +5,8 @@ partial state: the softmax-normalised output over a subset of keys and that subs
 log-sum-exp (natural log; -inf when the subset held no visible key, and then o is not read).
 The split-KV paths (flash-decoding) write one state per split, the cascade path writes the
 document's splits and the suffix's splits side by side, and `merge_partials` reduces them all
-in one launch. Partial buffers are [T, H, N, D] float32 (o) and [T, H, N] float32 (lse), N the states.
+in one launch. Partial buffers are [T, H, N, D] float32 (o) and [T, H, N] float32 (lse), N the
+states.
 """
 
 from __future__ import annotations

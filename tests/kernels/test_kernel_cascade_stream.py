@@ -9,13 +9,12 @@ import math
 import pytest
 import torch
 from checks import DEVICE, DTYPES, HEADS, ON_GPU, assert_close_to_ref, case_id, poisoned
-from contig_inputs import junk_document, plan_takes
+from contig_inputs import plan_takes
 from kernel_inputs import Pool, decode_step
 
 from ppqa.kernels._arch import Tiles
-from ppqa.kernels.cascade import (
-    launch_stream_prefix, shared_prefix_attention_ref, stream_ctas, stream_states, tiling,
-)
+from ppqa.kernels.cascade import shared_prefix_attention_ref, tiling
+from ppqa.kernels.cascade_stream import launch_stream_prefix, stream_ctas, stream_states
 from ppqa.kernels.merge import merge_partials
 
 # (document lengths, requests per group); a 0 is a group whose document is empty (the step's
@@ -44,9 +43,6 @@ def step_inputs(docs, per_doc, heads, dtype, padding):
     # a graph's padded groups: no requests, no document
     indptr = indptr + [indptr[-1]] * padding
     docs, starts = list(docs) + [0] * padding, starts + [0] * padding
-    table = junk_document(batch.req_to_token, range(batch.q.shape[0]),
-                          [n for n, lens in zip(docs, suffixes) for _ in lens])
-    del table  # the stream kernel takes no table: documents are read through doc_starts only
     return (pool, batch, torch.tensor(indptr, **to), torch.tensor(docs, **to),
             torch.tensor(starts, **to), ref)
 

@@ -49,8 +49,9 @@ def test_cascade_step_takes_the_stream_kernel_where_splits_would_leave_the_gpu_i
     fewest, 5, fills 5 of the interpreter's 8 CTA slots: the stream kernel, with states for 5
     documents to fill the grid. One document fills the slots with its splits: the split
     kernel. stream_prefix True / False forces either."""
-    from ppqa.kernels.cascade import split_fill, stream_ctas, tiling
     from ppqa.engine.attention.triton_backend import STREAM_BELOW_FILL
+    from ppqa.kernels.cascade import split_fill, tiling
+    from ppqa.kernels.cascade_stream import stream_ctas
 
     kv = torch.zeros(DOC + 16, 1, DIM)
     pool = SimpleNamespace(k_buffers=[kv], v_buffers=[kv.clone()],

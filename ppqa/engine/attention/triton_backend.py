@@ -36,10 +36,10 @@ from ppqa.engine.attention.fused_chunks import (
 )
 from ppqa.engine.attention.metadata import ForwardMetadata, RecentPlans
 from ppqa.kernels.cascade import (
-    group_size_bound, launch_shared_prefix, launch_stream_prefix, prefix_splits,
-    shared_prefix_attention, split_fill, stream_states,
+    group_size_bound, launch_shared_prefix, prefix_splits, shared_prefix_attention, split_fill,
     tiling as cascade_tiling,
 )
+from ppqa.kernels.cascade_stream import launch_stream_prefix, stream_states
 from ppqa.kernels.causal_prefill import causal_attention
 from ppqa.kernels.decode_attention import decode_attention, decode_splits, launch_decode
 from ppqa.kernels.extend_attention import extend_attention, extend_splits
@@ -82,7 +82,7 @@ class TritonBackend:
         # decode (GPU only; EngineConfig.overlap_cascade). False: one after the other.
         self.overlap = overlap
         # Cascade decode over contiguous documents: the document part dealt evenly over the
-        # GPU by the stream-K kernel (kernels/cascade.launch_stream_prefix) rather than split
+        # GPU by the stream-K kernel (kernels/cascade_stream.py) rather than split
         # per document for the bound a graph was captured at. None: where the split plan
         # would fill less than STREAM_BELOW_FILL of the GPU; True: always; False: never.
         self.stream_prefix = stream_prefix
