@@ -10,7 +10,8 @@ cost model (`engine/runtime/cost_model.py`) predicts for each, so the model's co
 checked against the kernels at this shape. Cascade runs with the step's own maxima and with
 the bounds an engine's CUDA graph plans for (`BOUNDS`), each through the stream-K document
 kernel and through the split one (`KERNELS`; contiguous documents only: gathered ones have the
-split kernel alone); `auto_kernel` says which of the two the backend takes by itself.
+split kernel alone); `auto_kernel` says which of the two the backend takes by itself;
+`--stream-tiles` times the stream kernel's document part at other tiles too.
 
 Each case is a list of group sizes: "18x6" is six documents of 18 requests, "18,9,4,2,1,1" a
 step late in a run. Every request has `--own` tokens of its own (question and answer so far)
@@ -28,6 +29,7 @@ matches stock's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -48,6 +50,8 @@ from ppqa.engine.attention.triton_backend import TritonBackend  # noqa: E402
 from ppqa.engine.loading.presets import preset_config  # noqa: E402
 from ppqa.engine.runtime import cost_model  # noqa: E402
 from ppqa.engine.runtime.graph_runner import _pow2, length_bucket  # noqa: E402
+from ppqa.kernels._arch import Tiles  # noqa: E402
+from ppqa.kernels.cascade_stream import launch_stream_prefix  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # How a cascade step's maxima are set (Step.meta): as an eager step, as graphs were keyed before
@@ -181,7 +185,7 @@ def columns(gather: bool) -> list[tuple[str, str]]:
 
 
 def run_case(cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
-             graphs: bool) -> dict:
+             graphs: bool, stream_tiles: list[Tiles] = ()) -> dict:
     step = Step(cfg, doc_len, sizes, own, dtype, gather, torch.Generator().manual_seed(0))
     stock_meta = step.meta(False)
     stock_out = step.forward(stock_meta).float()
@@ -204,6 +208,18 @@ def run_case(cfg, doc_len: int, sizes: list[int], own: int, dtype, gather: bool,
             "cascade_ms": timed(lambda: step.forward(meta), graphs),
             "document_ms": timed(document, graphs)}
         col["x"] = row["stock_ms"] / col["cascade_ms"]
+    if stream_tiles and not gather:  # the stream kernel's document part at other tiles
+        step.backend.stream_prefix = True
+        meta = step.meta(True, "tiles")
+        plan = step.backend.plan(meta)
+        part = step.backend.scratch.views(step.batch, cfg.num_heads, plan.prefix_splits,
+                                          cfg.head_dim)
+        casc = meta.cascade
+        row["stream_tiles"] = [{"tiles": list(dataclasses.astuple(t)), "document_ms": timed(
+            functools.partial(launch_stream_prefix, step.q, step.k, step.v,
+                              casc.group_req_indptr, casc.doc_lens, casc.doc_starts,
+                              casc.max_group_size, step.backend.sm_scale, plan.prefix_splits,
+                              *part, tiles=t), graphs)} for t in stream_tiles]
     step.backend.stream_prefix = None  # which the backend takes by itself, per bound
     row["auto_kernel"] = {b: "stream" if step.backend.plan(step.meta(True, b)).stream
                           else "split" for b in BOUNDS}
@@ -226,12 +242,18 @@ def main() -> None:
     ap.add_argument("--gather", action="store_true", help="documents through req_to_token")
     ap.add_argument("--eager", action="store_true", help="time eager launches, not graph replays")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument("--stream-tiles", default="",
+                    help="also the stream kernel's document part at these tiles, at the graph "
+                         "bound: 'rows,keys,warps,stages;...' (e.g. 64,64,8,3;64,32,4,3)")
     ap.add_argument("--out", default="cascade_groups.json")
     args = ap.parse_args()
     cfg = preset_config("tiny-gqa" if args.smoke else args.model)[0]
     doc_len, own = (96, 9) if args.smoke else (args.doc_tokens, args.own)
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
     cases = ["3;2,1"] if args.smoke else args.cases.replace(" ", ";").split(";")
+    stream_tiles = [Tiles(*map(int, t.split(","))) for t in args.stream_tiles.split(";") if t]
+    if args.smoke and not stream_tiles:
+        stream_tiles = [Tiles(16, 16, 4, 1)]
     rows = []
     print(f"{cfg.name}: document {doc_len} tokens, {own} own tokens a request, "
           f"{'gathered' if args.gather else 'contiguous'} documents, one layer, ms")
@@ -242,7 +264,8 @@ def main() -> None:
     for text in ";".join(cases).split(";"):
         if not text:
             continue
-        row = run_case(cfg, doc_len, parse_case(text), own, dtype, args.gather, not args.eager)
+        row = run_case(cfg, doc_len, parse_case(text), own, dtype, args.gather, not args.eager,
+                       stream_tiles)
         row["case"] = text
         rows.append(row)
         parts = " | ".join(f"{row[c]['cascade_ms']:7.3f} {row[c]['document_ms']:6.3f} "
@@ -252,6 +275,8 @@ def main() -> None:
               f"{row['document_floor_ms']:9.4f}  diff "
               f"{max(row['/'.join(c)]['max_abs_diff'] for c in cols):.1e}  auto: "
               f"{'/'.join(row['auto_kernel'].values())}", flush=True)
+        for t in row.get("stream_tiles", []):
+            print(f"{'':>20} stream kernel at tiles {t['tiles']}: document {t['document_ms']:.3f}")
         with open(args.out, "w") as f:
             json.dump({"model": cfg.name, "doc_tokens": doc_len, "own": own,
                        "gather": args.gather, "graphs": not args.eager, "rows": rows}, f, indent=1)
