@@ -49,7 +49,7 @@ from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata  # n
 from ppqa.engine.attention.triton_backend import TritonBackend  # noqa: E402
 from ppqa.engine.loading.presets import preset_config  # noqa: E402
 from ppqa.engine.runtime import cost_model  # noqa: E402
-from ppqa.engine.runtime.graph_runner import _pow2, length_bucket  # noqa: E402
+from ppqa.engine.runtime.graph_runner import length_bucket, pow2  # noqa: E402
 from ppqa.kernels._arch import Tiles  # noqa: E402
 from ppqa.kernels.cascade_stream import launch_stream_prefix  # noqa: E402
 
@@ -109,7 +109,7 @@ class Step:
         casc, max_prefix = None, prefix
         if cascade:
             groups = len(self.sizes)
-            padded = groups if bounds == "exact" else _pow2(groups)
+            padded = groups if bounds == "exact" else pow2(groups)
             ends = list(torch.tensor(self.sizes).cumsum(0))
             indptr = torch.tensor([0] + ends + ends[-1:] * (padded - groups), **I32)
             starts = (1 + torch.arange(groups) * self.doc_len).tolist() + [0] * (padded - groups)
@@ -117,7 +117,7 @@ class Step:
             if bounds != "exact":
                 doc_bound = length_bucket(self.doc_len)
                 max_prefix = length_bucket(prefix + 1) - 1
-                size = (_pow2(size) if bounds == "pow2" else
+                size = (pow2(size) if bounds == "pow2" else
                         self.backend.cascade_group_bound(size, not self.gather))
             casc = CascadeMetadata(
                 group_req_indptr=indptr, doc_req_indices=indptr[:-1].clone(),
@@ -125,7 +125,7 @@ class Step:
                 max_group_size=size, max_doc_len=doc_bound,
                 doc_starts=torch.tensor(starts, **I32),
                 contiguous=not self.gather,
-                doc_groups=groups if bounds == "exact" else _pow2(groups))
+                doc_groups=groups if bounds == "exact" else pow2(groups))
         hints = not cascade and not self.gather  # stock rows read their document runs
         return ForwardMetadata(
             kind="decode", positions=torch.zeros(batch, dtype=torch.int64, device=DEV),

@@ -53,6 +53,7 @@ from ppqa.engine.launches import Launched, Prefilled, charge_streams
 from ppqa.engine.outputs import Answer, QuestionRequest, RunStats
 from ppqa.engine.prefilling import SessionPrefill
 from ppqa.engine.runtime.grammar import fill_later
+from ppqa.engine.runtime.graph_runner import pow2
 from ppqa.engine.runtime.sampling import FILL, sample
 from ppqa.engine.runtime.scheduler import Scheduler
 from ppqa.engine.runtime.steps import PlannedStep
@@ -262,7 +263,7 @@ class EngineSession(SessionPrefill):
             self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(batch))
             prev, self._in_flight = self._in_flight, None
             # Fixed shapes for CUDA graphs: B padded to a power of two with dummy requests.
-            pad_to = 1 << (len(batch) - 1).bit_length() if self.engine.config.cuda_graphs else 0
+            pad_to = pow2(len(batch)) if self.engine.config.cuda_graphs else 0
             step = self.sched.decode_step(batch, pad_to=pad_to,
                                           prev=None if prev is None else prev.step)
             self._in_flight = self._launch(step, prev)

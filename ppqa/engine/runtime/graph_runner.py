@@ -25,10 +25,16 @@ import torch
 from ppqa.engine.attention.metadata import CascadeMetadata, ForwardMetadata
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the bucket of a decode step's requests
+    and of a cascade step's group counts."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def length_bucket(n: int) -> int:
     """The smallest of 2^k x (1, 1.25, 1.5, 1.75) that is >= n (at least 256)."""
     n = max(n, 256)
-    top = 1 << (n - 1).bit_length()
+    top = pow2(n)
     for step in (top // 2 + top // 8, top // 2 + top // 4, top // 2 + 3 * top // 8):
         if n <= step:
             return step
@@ -75,11 +81,11 @@ class GraphCache:
         # kernel where that is less (the backend's `cascade_group_bound`).
         group_bound = getattr(self.backend, "cascade_group_bound", None)
         cascade_key = None if casc is None else (
-            _pow2(casc.doc_req_indices.shape[0]),
-            _pow2(casc.max_group_size) if group_bound is None
+            pow2(casc.doc_req_indices.shape[0]),
+            pow2(casc.max_group_size) if group_bound is None
             else group_bound(casc.max_group_size, casc.contiguous),
             length_bucket(casc.max_doc_len), casc.contiguous,
-            _pow2(casc.doc_groups if casc.doc_groups is not None else casc.doc_req_indices.shape[0]))
+            pow2(casc.doc_groups if casc.doc_groups is not None else casc.doc_req_indices.shape[0]))
         return self._key(meta, cascade_key)
 
     def _key(self, meta: ForwardMetadata, cascade_key) -> tuple:
@@ -183,9 +189,6 @@ class GraphCache:
             graph.capture_end()
         return graph, logits
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _copy_groups(static: CascadeMetadata, real: CascadeMetadata) -> None:
